@@ -1,0 +1,105 @@
+"""The one small interface every VLM backend (HF reference, vLLM) implements.
+
+A backend turns a rendered prompt into reasoning tokens plus the per-layer K/V cache the
+action expert attends to. Everything model-agnostic (prompt layout, expert, flow matching,
+action space) lives outside the backends, so both produce plans through the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class PromptInputs:
+    """A fully rendered single-scene prompt.
+
+    input_ids: (T,) int64; image placeholders already expanded to one <|image_pad|> per
+        merged patch and the 48 history placeholders already replaced by history tokens.
+    pixel_values: (num_patches, 3*2*16*16) float, Qwen3-VL patch layout, on any device.
+    image_grid_thw: (num_images, 3) int64 (t, h, w) in patches.
+    images: uint8 (num_images, H, W, 3) resized frames, for backends that process images
+        themselves (vLLM); same order as the image blocks in input_ids.
+    position_ids: (3, T) int64 M-RoPE positions of the prompt.
+    rope_delta: next M-RoPE position minus T (negative with images).
+    """
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    images: torch.Tensor
+    position_ids: torch.Tensor
+    rope_delta: int
+
+
+@dataclass
+class PrefixCache:
+    """Backbone K/V for prompt + reasoning, the prefix the expert's diffusion tokens attend to.
+
+    keys/values: one tensor per backbone decoder layer, (N, H_kv, T, head_dim), already
+        k-normed and M-RoPE-rotated (exactly what an HF forward stores in its cache).
+    offsets: (N,) int64, index just after the first <|traj_future_start|>; columns >= offset
+        are masked (tokens generated after the stop token by other rows' longer rollouts).
+    rope_deltas: (N,) int64, M-RoPE delta of each row; expert token j sits at position
+        j + offset + rope_delta on all three M-RoPE axes.
+    valid: (N, T) bool or None; False marks padding columns (never attended).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    offsets: torch.Tensor
+    rope_deltas: torch.Tensor
+    valid: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+@dataclass
+class Rollout:
+    """Reasoning rollout for N samples of one prompt.
+
+    generated_ids: per sample, generated token ids up to and including the first
+        <|traj_future_start|> (or all of them if it never came).
+    cache: K/V of prompt + generated tokens with upstream length semantics: the cache holds
+        every token fed to the model, i.e. all generated tokens except the last sampled one.
+    """
+
+    generated_ids: list[list[int]]
+    cache: PrefixCache
+
+
+class Backbone(Protocol):
+    """A Qwen3-VL backbone with Alpamayo's extended vocabulary."""
+
+    name: str
+
+    def rollout(
+        self,
+        prompt: PromptInputs,
+        *,
+        num_samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        forced_ids: Sequence[int] | None = None,
+    ) -> Rollout:
+        """Generate reasoning for num_samples rows and return their K/V.
+
+        Sampling masks every <i*> token and stops one step after all rows produced
+        <|traj_future_start|> (upstream's rule). temperature <= 0 means greedy.
+        forced_ids teacher-forces the generated tokens (tests, parity work).
+        """
+        ...
+
+    def prefill(self, prompt: PromptInputs, generated_ids: Sequence[Sequence[int]]) -> PrefixCache:
+        """K/V of prompt + each row's generated tokens in one forward (no sampling).
+
+        Used for the route-free nav-CFG cache and as the parity oracle.
+        """
+        ...

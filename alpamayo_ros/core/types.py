@@ -1,0 +1,111 @@
+"""Plain data that crosses the boundary between the ROS layer and the model core.
+
+Frames: "t0 ego frame" is x forward, y left, z up, origin at the ego pose at t0 (the
+newest camera time the plan is made for). All arrays are numpy so the ROS layer, the
+evaluator and the benchmark never need torch to build or read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Upstream camera index -> (dataset camera name, display name used in the prompt).
+CAMERAS: dict[int, tuple[str, str]] = {
+    0: ("camera_cross_left_120fov", "Front left camera"),
+    1: ("camera_front_wide_120fov", "Front camera"),
+    2: ("camera_cross_right_120fov", "Front right camera"),
+    3: ("camera_rear_left_70fov", "Rear left camera"),
+    4: ("camera_rear_tele_30fov", "Rear camera"),
+    5: ("camera_rear_right_70fov", "Rear right camera"),
+    6: ("camera_front_tele_30fov", "Front telephoto camera"),
+}
+
+NUM_HISTORY_POSES = 16  # 1.5 s at 10 Hz, t0 included
+HISTORY_DT_S = 0.1
+NUM_WAYPOINTS = 64  # 6.4 s at 10 Hz
+WAYPOINT_DT_S = 0.1
+FRAMES_PER_CAMERA = 4
+FRAME_SPACING_S = 0.1
+
+
+@dataclass(frozen=True)
+class DrivingInput:
+    """One planning request: what the model sees at time t0.
+
+    images: uint8 RGB, shape (cameras, frames, H, W, 3); cameras sorted by index,
+        frames oldest first (t0-0.3 s ... t0).
+    camera_indices: upstream camera index of each image row (see CAMERAS), ascending.
+    frame_stamps_ns: int64 (cameras, frames), capture time of every frame.
+    ego_history_xyz: float32 (16, 3), poses at t0-1.5 s ... t0 in the t0 ego frame (m);
+        the last row is the origin.
+    ego_history_rot: float32 (16, 3, 3), rotations in the t0 ego frame; last is identity.
+    route_text: navigation instruction ("Turn right in 30m") or None.
+    """
+
+    images: np.ndarray
+    camera_indices: tuple[int, ...]
+    frame_stamps_ns: np.ndarray
+    t0_ns: int
+    ego_history_xyz: np.ndarray
+    ego_history_rot: np.ndarray
+    route_text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != np.uint8 or self.images.ndim != 5 or self.images.shape[-1] != 3:
+            raise ValueError(f"images: expected uint8 (cameras, frames, H, W, 3), got {self.images.dtype} {self.images.shape}")
+        if len(self.camera_indices) != self.images.shape[0]:
+            raise ValueError(f"camera_indices: {len(self.camera_indices)} indices for {self.images.shape[0]} cameras")
+        if list(self.camera_indices) != sorted(set(self.camera_indices)):
+            raise ValueError(f"camera_indices: must be unique and ascending, got {self.camera_indices}")
+        unknown = [i for i in self.camera_indices if i not in CAMERAS]
+        if unknown:
+            raise ValueError(f"camera_indices: unknown camera index {unknown} (known: {sorted(CAMERAS)})")
+        if self.frame_stamps_ns.shape != self.images.shape[:2]:
+            raise ValueError(f"frame_stamps_ns: shape {self.frame_stamps_ns.shape} != {self.images.shape[:2]}")
+        if self.ego_history_xyz.shape != (NUM_HISTORY_POSES, 3):
+            raise ValueError(f"ego_history_xyz: expected ({NUM_HISTORY_POSES}, 3), got {self.ego_history_xyz.shape}")
+        if self.ego_history_rot.shape != (NUM_HISTORY_POSES, 3, 3):
+            raise ValueError(f"ego_history_rot: expected ({NUM_HISTORY_POSES}, 3, 3), got {self.ego_history_rot.shape}")
+        if not (np.isfinite(self.ego_history_xyz).all() and np.isfinite(self.ego_history_rot).all()):
+            raise ValueError("ego_history: non-finite values")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How one plan is sampled. Defaults follow upstream's rollout entry point."""
+
+    num_samples: int = 1
+    temperature: float = 0.6  # reasoning text; <= 0 means greedy
+    top_p: float = 0.98
+    max_reasoning_tokens: int = 256
+    flow_steps: int = 10
+    noise_temperature: float = 1.0  # scale of the initial flow-matching noise
+    cfg_weight: float | None = None  # nav classifier-free guidance weight; None = off
+    seed: int = 0
+
+
+@dataclass
+class Plan:
+    """Output of one pipeline run.
+
+    xyz: float32 (samples, 64, 3) waypoints at t0+0.1 ... t0+6.4 s in the t0 ego frame (m).
+    rot: float32 (samples, 64, 3, 3) yaw rotations of those waypoints.
+    coc: chain-of-causation text per sample.
+    generated_ids: reasoning token ids per sample (up to and including <|traj_future_start|>).
+    timings_ms: stage name -> milliseconds (preprocess, backbone, expert, action, total, ...).
+    """
+
+    xyz: np.ndarray
+    rot: np.ndarray
+    coc: list[str]
+    generated_ids: list[list[int]]
+    t0_ns: int
+    backend: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def yaw(self) -> np.ndarray:
+        """Heading of every waypoint, (samples, 64), radians."""
+        return np.arctan2(self.rot[..., 1, 0], self.rot[..., 0, 0])
