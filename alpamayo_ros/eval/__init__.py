@@ -1,0 +1,1 @@
+"""Offline evaluation, bag tooling and the closed-loop demo (no rclpy at import time)."""

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: set up .venv if needed, then run the whole suite (unit, ROS across processes,
+# vLLM on CPU). Extra arguments go to pytest (e.g. `bash scripts/test.sh -k frame_sync`).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+bash scripts/setup.sh
+export FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA   # large best-effort images are dropped otherwise
+export AMENT_PREFIX_PATH="$ROOT/.venv"          # get_package_share_directory() without sourcing
+export PYTHONUNBUFFERED=1
+# pytest exits 5 when nothing was collected: that is a failure here too.
+exec "$ROOT/.venv/bin/python" -m pytest test -p no:cacheprovider -rfEs --timeout=900 "$@"
