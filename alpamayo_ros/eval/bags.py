@@ -8,6 +8,7 @@ Kilted typestore.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -146,6 +147,15 @@ def register_msgtype(typestore: Typestore, msgtype: str) -> None:
         if sibling not in typestore.fielddefs:
             types.update(get_types_from_msg(f.read_text(), sibling))
     typestore.register(types)
+
+
+def message_class(msgtype: str) -> type:
+    """'pkg/msg/Name' -> the generated ROS Python message class (for rclpy publishers/subscribers)."""
+    pkg, kind, name = msgtype.split("/")
+    try:
+        return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"message type {msgtype!r}: no Python interface installed ({exc})") from exc
 
 
 class BagWriter:

@@ -1,0 +1,359 @@
+"""The action expert: a Qwen3-VL text decoder that denoises 64 action tokens.
+
+It has no token embeddings: the noisy action is projected to 64 input embeddings, and every
+expert layer i attends to backbone cache layer i (prompt + reasoning) plus the 64 action
+tokens, bidirectionally. Module names mirror upstream's checkpoint keys (`expert.*`,
+`action_in_proj.*`, `action_out_proj.*`) so its state_dict loads 1:1. The cache is never
+mutated: concatenating per call is equivalent to upstream's append-then-crop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from alpamayo_ros.core.backbone import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+ACTION_DIM = 2  # normalised (acceleration, curvature) per waypoint
+_ACTION_RMS_EPS = 1e-5  # fixed in upstream's action_in_proj encoder
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """Sizes of the expert: the backbone text config with upstream's expert_cfg overrides."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # <= backbone layers: expert layer i reads backbone cache layer i
+    num_heads: int  # query heads
+    num_kv_heads: int  # must equal the backbone's, to read its cache
+    head_dim: int  # must equal the backbone's
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 5_000_000.0
+    mrope_section: tuple[int, int, int] = (24, 20, 20)  # (t, h, w) frequency counts
+    mrope_interleaved: bool = True  # Qwen3-VL layout; the chunked Qwen2-VL one is unsupported
+    attention_bias: bool = False
+    action_hidden_size: int = 1024  # width of the action_in_proj MLP
+    num_fourier_feats: int = 20  # per encoded scalar (half sin, half cos)
+    max_freq: float = 100.0  # highest Fourier frequency, cycles per unit input
+    num_enc_layers: int = 4
+    n_waypoints: int = 64
+    # Upstream rebuilds the (unsaved) Fourier frequencies under the load dtype, so the bf16
+    # release uses bf16-rounded values; set this to the checkpoint dtype to match it.
+    freqs_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+            "head_dim", "action_hidden_size", "num_fourier_feats", "num_enc_layers",
+            "n_waypoints",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2 or self.num_fourier_feats % 2:
+            raise ValueError(
+                f"head_dim/num_fourier_feats: must be even, got {self.head_dim}/"
+                f"{self.num_fourier_feats}"
+            )
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(
+                f"mrope_section: expected 3 sizes summing to head_dim/2 = {self.head_dim // 2},"
+                f" got {self.mrope_section}"
+            )
+        if not self.mrope_interleaved:
+            raise ValueError("mrope_interleaved: only the interleaved (Qwen3-VL) layout is supported")
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32 and cast back, as both Qwen3 and upstream's encoder do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class FourierFeatures(nn.Module):
+    """sqrt(2) [sin, cos](2 pi x f) for log-spaced f in [1, max_freq]; no weights."""
+
+    def __init__(self, num_feats: int, max_freq: float, freqs_dtype: torch.dtype) -> None:
+        super().__init__()
+        freqs = torch.logspace(0.0, math.log10(max_freq), num_feats // 2)
+        self.freqs = nn.Buffer(freqs.to(freqs_dtype).float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode x (...) in fp32 -> (..., num_feats)."""
+        angle = x.float()[..., None] * self.freqs * 2 * math.pi
+        return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1) * math.sqrt(2)
+
+
+class ActionEncoder(nn.Module):
+    """MLP trunk: Linear, SiLU, then (num_layers - 1) x [RMSNorm, Linear, SiLU], RMSNorm, Linear."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, num_layers: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(in_dim, hidden), nn.SiLU()]
+        for _ in range(num_layers - 1):
+            layers += [RMSNorm(hidden, _ACTION_RMS_EPS), nn.Linear(hidden, hidden), nn.SiLU()]
+        layers += [RMSNorm(hidden, _ACTION_RMS_EPS), nn.Linear(hidden, out_dim)]
+        self.trunk = nn.Sequential(*layers)  # indices match upstream's trunk.{0..12} keys
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trunk(x)
+
+
+class ActionInProjection(nn.Module):
+    """Embed a noisy action and its flow time as one expert input token per waypoint."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        self.fourier = FourierFeatures(config.num_fourier_feats, config.max_freq, config.freqs_dtype)
+        in_dim = (ACTION_DIM + 1) * config.num_fourier_feats  # accel, curvature, t
+        self.encoder = ActionEncoder(
+            in_dim, config.action_hidden_size, config.hidden_size, config.num_enc_layers
+        )
+        self.norm = nn.LayerNorm(config.hidden_size)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Map x (N, W, 2) and t (N,) to embeddings (N, W, hidden) in the weights' dtype."""
+        n_rows, n_waypoints, _ = x.shape
+        time_feats = self.fourier(t)[:, None, :].expand(n_rows, n_waypoints, -1)
+        feats = torch.cat([self.fourier(x[..., 0]), self.fourier(x[..., 1]), time_feats], dim=-1)
+        weight = self.encoder.trunk[0].weight
+        return self.norm(self.encoder(feats.to(weight.dtype)))
+
+
+class MRotaryEmbedding(nn.Module):
+    """Qwen3-VL interleaved M-RoPE: frequency j follows axis t, h or w by j mod 3."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        half = config.head_dim // 2
+        exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+        self.inv_freq = nn.Buffer(1.0 / (config.rope_theta**exponent), persistent=False)
+        axis = torch.zeros(half, dtype=torch.long)
+        for dim, start in ((1, 1), (2, 2)):  # h on j = 1, 4, ...; w on j = 2, 5, ...
+            axis[start : 3 * config.mrope_section[dim] : 3] = dim
+        self.axis_of_freq = nn.Buffer(axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Return cos, sin (N, L, head_dim) in dtype for positions (3, N, L)."""
+        picked = positions[self.axis_of_freq].permute(1, 2, 0)  # (N, L, half)
+        angle = picked.float() * self.inv_freq
+        angle = torch.cat([angle, angle], dim=-1)
+        return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class ExpertAttention(nn.Module):
+    """GQA self-attention whose keys are [backbone cache layer ; own tokens]."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        past_key: torch.Tensor,
+        past_value: torch.Tensor,
+        folded_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attend h (N, L, E) to the cache (N, Hkv, T, D) and to itself.
+
+        folded_mask: (N, 1, groups*L, T+L) additive mask in h's dtype, the (N, 1, L, T+L)
+        mask repeated once per query head sharing a kv head.
+        """
+        n_rows, length, _ = h.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = self.q_norm(self.q_proj(h).view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h).view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(n_rows, length, -1, self.head_dim).transpose(1, 2)  # (N, H, L, D)
+        cos, sin = rope[0][:, None], rope[1][:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (N, Hkv, T+L, D)
+        v = torch.cat([past_value.to(v.dtype), v], dim=2)
+        # GQA without copying K/V per query head: query heads sharing a kv head are stacked
+        # along the query axis (N, Hkv, groups*L, D); the mask is shared by all heads.
+        q = q.reshape(n_rows, self.num_kv_heads, groups * length, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=folded_mask, scale=self.head_dim**-0.5
+        )
+        out = out.reshape(n_rows, self.num_heads, length, self.head_dim).transpose(1, 2)
+        return self.o_proj(out.reshape(n_rows, length, -1))
+
+
+class ExpertMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertLayer(nn.Module):
+    """Pre-norm decoder layer."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        self.self_attn = ExpertAttention(config)
+        self.mlp = ExpertMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        past_key: torch.Tensor,
+        past_value: torch.Tensor,
+        folded_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, past_key, past_value, folded_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ExpertModel(nn.Module):
+    """The decoder stack (upstream's `expert`: a Qwen3VLTextModel without embed_tokens)."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(ExpertLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(config)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Run all layers; returns the final-normed hidden states (N, L, E).
+
+        inputs_embeds (N, L, E); positions (3, N, L) M-RoPE ids; mask (N, 1, L, T+L) additive
+        float (0 = attend); keys/values: per backbone layer (N, Hkv, T, D), rotated K.
+        """
+        cfg = self.config
+        if len(keys) < cfg.num_layers or len(values) < cfg.num_layers:
+            raise ValueError(
+                f"keys/values: {len(keys)}/{len(values)} cache layers for {cfg.num_layers} expert"
+                " layers"
+            )
+        n_rows, length, _ = inputs_embeds.shape
+        expected = (n_rows, cfg.num_kv_heads, keys[0].shape[2], cfg.head_dim)
+        if tuple(keys[0].shape) != expected or tuple(values[0].shape) != expected:
+            raise ValueError(
+                f"keys/values: expected layer shape {expected} (N, Hkv, T, D), got"
+                f" {tuple(keys[0].shape)}/{tuple(values[0].shape)}"
+            )
+        if tuple(mask.shape) != (n_rows, 1, length, expected[2] + length):
+            raise ValueError(
+                f"mask: expected {(n_rows, 1, length, expected[2] + length)}, got"
+                f" {tuple(mask.shape)}"
+            )
+        rope = self.rotary_emb(positions, inputs_embeds.dtype)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        folded_mask = mask.to(inputs_embeds.dtype).repeat(1, 1, groups, 1)  # see ExpertAttention
+        h = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, keys[i], values[i], folded_mask)
+        return self.norm(h)
+
+
+def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.Tensor, ...]:
+    """Return M-RoPE positions (3, N, n) int64 and the additive mask (N, 1, n, T+n) float32.
+
+    Token j of row i sits at j + offsets[i] + rope_deltas[i] on all three axes, right after
+    <|traj_future_start|>. The mask is finfo.min on cache columns [offset, T) (tokens other
+    rows generated past their stop) and where cache.valid is False, else 0; the n action
+    columns are open to every action token (bidirectional).
+    """
+    n_rows, _, length, _ = cache.keys[0].shape
+    device = cache.keys[0].device
+    if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
+        raise ValueError(
+            f"cache.offsets/rope_deltas: expected ({n_rows},), got"
+            f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
+        )
+    if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
+        raise ValueError(f"cache.valid: expected ({n_rows}, {length}), got {tuple(cache.valid.shape)}")
+    offsets = cache.offsets.to(device=device, dtype=torch.long)
+    deltas = cache.rope_deltas.to(device=device, dtype=torch.long)
+    token = torch.arange(n_tokens, device=device)
+    positions = (token[None, :] + (offsets + deltas)[:, None]).expand(3, n_rows, n_tokens)
+    column = torch.arange(length + n_tokens, device=device)
+    blocked = (column[None, :] >= offsets[:, None]) & (column[None, :] < length)  # (N, T+n)
+    if cache.valid is not None:
+        blocked[:, :length] |= ~cache.valid.to(device=device, dtype=torch.bool)
+    mask = torch.zeros(n_rows, 1, n_tokens, length + n_tokens, device=device)
+    mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(torch.float32).min)
+    return positions, mask
+
+
+class ActionExpertModel(nn.Module):
+    """Expert decoder plus the action projections in and out: the flow's velocity field."""
+
+    def __init__(self, config: ExpertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.expert = ExpertModel(config)
+        self.action_in_proj = ActionInProjection(config)
+        self.action_out_proj = nn.Linear(config.hidden_size, ACTION_DIM)
+        count = sum(p.numel() for p in self.parameters())
+        logger.info(f"action expert: {count / 1e6:.2f} M parameters, {config.num_layers} layers")
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> torch.Tensor:
+        """Predict the flow velocity (N, 64, 2) for noisy actions x (N, 64, 2) at times t (N,).
+
+        Free of host syncs, so the sampler loop can be captured in a CUDA graph.
+        """
+        n_rows = cache.keys[0].shape[0]
+        if tuple(x.shape) != (n_rows, self.config.n_waypoints, ACTION_DIM):
+            expected = (n_rows, self.config.n_waypoints, ACTION_DIM)
+            raise ValueError(f"x: expected {expected} (rows match the cache), got {tuple(x.shape)}")
+        if tuple(t.shape) != (n_rows,):
+            raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
+        embeds = self.action_in_proj(x, t)
+        positions, mask = build_positions_and_mask(cache, x.shape[1])
+        hidden = self.expert(embeds, positions, mask, cache.keys, cache.values)
+        return self.action_out_proj(hidden)

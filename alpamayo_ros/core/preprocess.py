@@ -1,0 +1,150 @@
+"""Qwen3-VL image preprocessing in plain torch: smart resize, normalise, patchify.
+
+Numerically the same as transformers' torchvision-backed Qwen2-VL image processor (which
+upstream uses through the Qwen3-VL processor), but it takes one uint8 batch of frames on any
+device (no PIL, no per-image Python loop), so on a GPU the whole step is a few kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MAX_ASPECT_RATIO = 200  # Qwen's limit for smart_resize
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """How frames become vision patches; defaults are Alpamayo 1.5's processor settings."""
+
+    patch_size: int = 16  # pixels per patch side
+    temporal_patch_size: int = 2  # a still image is repeated to fill the temporal patch
+    merge_size: int = 2  # patches merged per side into one LLM token
+    min_pixels: int = 163840
+    max_pixels: int = 196608
+    image_mean: float = 0.5
+    image_std: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels: {self.min_pixels} > max_pixels {self.max_pixels}")
+        if not self.image_std > 0:
+            raise ValueError(f"image_std: must be > 0, got {self.image_std}")
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this many pixels."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch (channels x time x pixels)."""
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+@dataclass
+class PreprocessedImages:
+    """Frames ready for the vision tower.
+
+    pixel_values: float32 (num_images * grid_h * grid_w, patch_dim), Qwen3-VL patch order.
+    image_grid_thw: int64 (num_images, 3), (1, grid_h, grid_w) in patches.
+    resized: uint8 (num_images, H', W', 3), the resized frames (for backends that re-process).
+    merge_size: patches merged per side into one LLM token.
+    """
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    resized: torch.Tensor
+    merge_size: int
+
+    @property
+    def tokens_per_image(self) -> list[int]:
+        """LLM tokens (merged patches) of each image."""
+        return (self.image_grid_thw.prod(dim=-1) // self.merge_size**2).tolist()
+
+
+def smart_resize(height: int, width: int, geometry: VisionGeometry) -> tuple[int, int]:
+    """Pick the output size: sides multiples of geometry.factor, area within the pixel bounds."""
+    if height < 1 or width < 1:
+        raise ValueError(f"image size: must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image size: aspect ratio of {height}x{width} exceeds {MAX_ASPECT_RATIO}")
+    factor = geometry.factor
+    out_h = round(height / factor) * factor
+    out_w = round(width / factor) * factor
+    if out_h * out_w > geometry.max_pixels:
+        scale = math.sqrt(height * width / geometry.max_pixels)
+        out_h = max(factor, math.floor(height / scale / factor) * factor)
+        out_w = max(factor, math.floor(width / scale / factor) * factor)
+    elif out_h * out_w < geometry.min_pixels:
+        scale = math.sqrt(geometry.min_pixels / (height * width))
+        out_h = math.ceil(height * scale / factor) * factor
+        out_w = math.ceil(width * scale / factor) * factor
+    return out_h, out_w
+
+
+def resize_frames(frames_nchw: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Bicubic, antialiased resize of uint8 (N, 3, H, W) frames, as torchvision does it.
+
+    On CPU torch resizes uint8 natively; elsewhere torchvision goes through float32 with
+    clamping and rounding. Following the same two paths keeps CPU results bit-identical.
+    """
+    if tuple(frames_nchw.shape[-2:]) == size:
+        return frames_nchw
+    if frames_nchw.device.type == "cpu":
+        return F.interpolate(frames_nchw, size=size, mode="bicubic", align_corners=False, antialias=True)
+    resized = F.interpolate(frames_nchw.float(), size=size, mode="bicubic", align_corners=False, antialias=True)
+    return resized.clamp_(0, 255).round_().to(torch.uint8)
+
+
+def patchify(normalized: torch.Tensor, geometry: VisionGeometry) -> torch.Tensor:
+    """Cut float (N, 3, H, W) images into Qwen3-VL patches, (N * gh * gw, patch_dim).
+
+    Patches are ordered by merge window (row-major), then within a window; each patch holds
+    channels x time x rows x cols, with the still image repeated along time.
+    """
+    n, channels, height, width = normalized.shape
+    p, m, t = geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size
+    grid_h, grid_w = height // p, width // p
+    blocks = normalized.reshape(n, channels, grid_h // m, m, p, grid_w // m, m, p)
+    # (n, window row, window col, row in window, col in window, channel, pixel row, pixel col)
+    blocks = blocks.permute(0, 2, 5, 3, 6, 1, 4, 7)
+    blocks = blocks.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1)
+    return blocks.reshape(n * grid_h * grid_w, channels * t * p * p)
+
+
+def preprocess_frames(
+    frames: np.ndarray | torch.Tensor,
+    geometry: VisionGeometry = VisionGeometry(),
+    device: torch.device | str | None = None,
+) -> PreprocessedImages:
+    """Turn uint8 RGB frames (N, H, W, 3), all one size, into vision-tower inputs.
+
+    The work happens on `device` (default: where the frames are).
+    """
+    if isinstance(frames, np.ndarray):
+        frames = torch.from_numpy(np.ascontiguousarray(frames))
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames: expected uint8 (N, H, W, 3), got {frames.dtype} {tuple(frames.shape)}")
+    if device is not None:
+        frames = frames.to(device, non_blocking=True)
+    n, height, width, _ = frames.shape
+    size = smart_resize(height, width, geometry)
+    resized = resize_frames(frames.permute(0, 3, 1, 2).contiguous(), size)
+    # (x/255 - mean)/std folded into one affine step, in float32 like the reference
+    scale = 255.0 * geometry.image_std
+    normalized = (resized.float() - 255.0 * geometry.image_mean) / scale
+    grid = torch.tensor([[1, size[0] // geometry.patch_size, size[1] // geometry.patch_size]] * n, dtype=torch.long)
+    return PreprocessedImages(
+        pixel_values=patchify(normalized, geometry),
+        image_grid_thw=grid.to(frames.device),
+        resized=resized.permute(0, 2, 3, 1).contiguous(),
+        merge_size=geometry.merge_size,
+    )

