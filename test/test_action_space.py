@@ -1,5 +1,6 @@
 """Unicycle action space on trajectories whose kinematics are known in closed form."""
 
+import dataclasses
 import math
 
 import pytest
@@ -39,10 +40,9 @@ def history(speed: float, kappa: float, z: float = 0.0):
 def normalised(space, accel, kappa, dtype=torch.float32):
     """Normalised action (..., N, 2) for physical accel (m/s^2) and curvature (1/m)."""
     cfg = space.config
-    return torch.stack(
-        [(accel - cfg.accel_mean) / cfg.accel_std, (kappa - cfg.curvature_mean) / cfg.curvature_std],
-        dim=-1,
-    ).to(dtype)
+    accel = (accel - cfg.accel_mean) / cfg.accel_std
+    kappa = (kappa - cfg.curvature_mean) / cfg.curvature_std
+    return torch.stack([accel, kappa], dim=-1).to(dtype)
 
 
 @pytest.mark.parametrize("speed", [0.0, 2.0, 8.0, 15.0])
@@ -111,17 +111,18 @@ def smooth_random_case(generator: torch.Generator, rows: int):
     freqs = torch.tensor([0.03, 0.06, 0.12], dtype=torch.float64)[None, :, None]
     phase = 2 * math.pi * torch.rand(rows, 3, 1, generator=generator, dtype=torch.float64)
     wave = torch.sin(2 * math.pi * freqs * t + phase)  # (rows, 3, N)
-    accel = ((torch.rand(rows, 3, 1, generator=generator, dtype=torch.float64) - 0.5) * wave).sum(1)
-    kappa = (0.04 * (torch.rand(rows, 3, 1, generator=generator, dtype=torch.float64) - 0.5) * wave)
+    amplitude = torch.rand(2, rows, 3, 1, generator=generator, dtype=torch.float64) - 0.5
+    accel = (amplitude[0] * wave).sum(1)  # m/s^2, within +-1.5
+    kappa = (0.04 * amplitude[1] * wave).sum(1)  # 1/m, within +-0.06
     hist_xyz = torch.stack([h[0] for h in hist])
     hist_rot = torch.stack([h[1] for h in hist])
-    return hist_xyz, hist_rot, accel, kappa.sum(1)
+    return hist_xyz, hist_rot, accel, kappa
 
 
 def test_round_trip_on_smooth_random_trajectories():
     # Near-zero ridges isolate the inversion itself: traj -> action -> traj must close.
     space = UnicycleActionSpace(
-        ActionSpaceConfig(**{**RELEASED.__dict__, "v_ridge": 1e-8, "a_ridge": 1e-8, "kappa_ridge": 1e-8})
+        dataclasses.replace(RELEASED, v_ridge=1e-8, a_ridge=1e-8, kappa_ridge=1e-8)
     )
     hist_xyz, hist_rot, accel, kappa = smooth_random_case(torch.Generator().manual_seed(0), 32)
     xyz, rot = space.action_to_traj(normalised(space, accel, kappa), hist_xyz, hist_rot)

@@ -66,8 +66,10 @@ def test_euler_update_rule_and_time_grid():
 def test_temperature_scales_the_initial_noise():
     noise = torch.randn(1, *SHAPE, generator=seeded(2))
     still = lambda x, t: torch.zeros_like(x)  # noqa: E731
-    assert torch.equal(sample(still, batch=1, init_noise=noise, noise_temperature=0.5), noise * 0.5)
-    assert torch.equal(sample(still, batch=1, init_noise=noise, noise_temperature=0.0), 0 * noise)
+    half = sample(still, batch=1, init_noise=noise, noise_temperature=0.5)
+    zero = sample(still, batch=1, init_noise=noise, noise_temperature=0.0)
+    assert torch.equal(half, noise * 0.5)
+    assert torch.equal(zero, torch.zeros_like(noise))
 
 
 def test_guidance_weight_one_equals_unguided():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +46,6 @@ class ExpertConfig:
     max_freq: float = 100.0  # highest Fourier frequency, cycles per unit input
     num_enc_layers: int = 4
     n_waypoints: int = 64
-    # Upstream rebuilds the (unsaved) Fourier frequencies under the load dtype, so the bf16
-    # release uses bf16-rounded values; set this to the checkpoint dtype to match it.
-    freqs_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,7 +57,8 @@ class ExpertConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads"
+                f" {self.num_kv_heads}"
             )
         if self.head_dim % 2 or self.num_fourier_feats % 2:
             raise ValueError(
@@ -73,7 +71,7 @@ class ExpertConfig:
                 f" got {self.mrope_section}"
             )
         if not self.mrope_interleaved:
-            raise ValueError("mrope_interleaved: only the interleaved (Qwen3-VL) layout is supported")
+            raise ValueError("mrope_interleaved: only Qwen3-VL's interleaved layout is supported")
 
 
 class RMSNorm(nn.Module):
@@ -91,23 +89,27 @@ class RMSNorm(nn.Module):
 
 
 class FourierFeatures(nn.Module):
-    """sqrt(2) [sin, cos](2 pi x f) for log-spaced f in [1, max_freq]; no weights."""
+    """sqrt(2) [sin, cos](2 pi x f) for log-spaced f in [1, max_freq]; no weights.
 
-    def __init__(self, num_feats: int, max_freq: float, freqs_dtype: torch.dtype) -> None:
+    The frequencies are an unsaved buffer, so casting the module to bf16 rounds them (1.6681
+    becomes 1.671875), exactly as upstream's bf16 load does; the product is still fp32.
+    """
+
+    def __init__(self, *, num_feats: int, max_freq: float) -> None:
         super().__init__()
         freqs = torch.logspace(0.0, math.log10(max_freq), num_feats // 2)
-        self.freqs = nn.Buffer(freqs.to(freqs_dtype).float(), persistent=False)
+        self.freqs = nn.Buffer(freqs, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Encode x (...) in fp32 -> (..., num_feats)."""
-        angle = x.float()[..., None] * self.freqs * 2 * math.pi
+        angle = x.float()[..., None] * self.freqs.float() * 2 * math.pi
         return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1) * math.sqrt(2)
 
 
 class ActionEncoder(nn.Module):
-    """MLP trunk: Linear, SiLU, then (num_layers - 1) x [RMSNorm, Linear, SiLU], RMSNorm, Linear."""
+    """MLP: Linear, SiLU, (num_layers - 1) x [RMSNorm, Linear, SiLU], RMSNorm, Linear."""
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int, num_layers: int) -> None:
+    def __init__(self, *, in_dim: int, hidden: int, out_dim: int, num_layers: int) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Linear(in_dim, hidden), nn.SiLU()]
         for _ in range(num_layers - 1):
@@ -124,10 +126,15 @@ class ActionInProjection(nn.Module):
 
     def __init__(self, config: ExpertConfig) -> None:
         super().__init__()
-        self.fourier = FourierFeatures(config.num_fourier_feats, config.max_freq, config.freqs_dtype)
+        self.fourier = FourierFeatures(
+            num_feats=config.num_fourier_feats, max_freq=config.max_freq
+        )
         in_dim = (ACTION_DIM + 1) * config.num_fourier_feats  # accel, curvature, t
         self.encoder = ActionEncoder(
-            in_dim, config.action_hidden_size, config.hidden_size, config.num_enc_layers
+            in_dim=in_dim,
+            hidden=config.action_hidden_size,
+            out_dim=config.hidden_size,
+            num_layers=config.num_enc_layers,
         )
         self.norm = nn.LayerNorm(config.hidden_size)
 
@@ -143,15 +150,24 @@ class ActionInProjection(nn.Module):
 class MRotaryEmbedding(nn.Module):
     """Qwen3-VL interleaved M-RoPE: frequency j follows axis t, h or w by j mod 3."""
 
-    def __init__(self, config: ExpertConfig) -> None:
+    def __init__(self, *, head_dim: int, theta: float, section: Sequence[int]) -> None:
         super().__init__()
-        half = config.head_dim // 2
-        exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-        self.inv_freq = nn.Buffer(1.0 / (config.rope_theta**exponent), persistent=False)
-        axis = torch.zeros(half, dtype=torch.long)
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        self.inv_freq = nn.Buffer(1.0 / (theta**exponent), persistent=False)
+        self._inv_freq_fp32 = self.inv_freq.clone()  # master copy, see _apply
+        axis = torch.zeros(head_dim // 2, dtype=torch.long)
         for dim, start in ((1, 1), (2, 2)):  # h on j = 1, 4, ...; w on j = 2, 5, ...
-            axis[start : 3 * config.mrope_section[dim] : 3] = dim
+            axis[start : 3 * section[dim] : 3] = dim
         self.axis_of_freq = nn.Buffer(axis, persistent=False)
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> nn.Module:
+        # Follow device moves but not dtype casts: bf16 frequencies would shift every angle
+        # (a transformers model loaded in bf16 also keeps them fp32).
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Return cos, sin (N, L, head_dim) in dtype for positions (3, N, L)."""
@@ -169,18 +185,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ExpertAttention(nn.Module):
     """GQA self-attention whose keys are [backbone cache layer ; own tokens]."""
 
-    def __init__(self, config: ExpertConfig) -> None:
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rms_norm_eps: float,
+        bias: bool,
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps)
 
     def forward(
         self,
@@ -208,9 +231,8 @@ class ExpertAttention(nn.Module):
         # GQA without copying K/V per query head: query heads sharing a kv head are stacked
         # along the query axis (N, Hkv, groups*L, D); the mask is shared by all heads.
         q = q.reshape(n_rows, self.num_kv_heads, groups * length, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=folded_mask, scale=self.head_dim**-0.5
-        )
+        scale = self.head_dim**-0.5
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=folded_mask, scale=scale)
         out = out.reshape(n_rows, self.num_heads, length, self.head_dim).transpose(1, 2)
         return self.o_proj(out.reshape(n_rows, length, -1))
 
@@ -218,11 +240,11 @@ class ExpertAttention(nn.Module):
 class ExpertMLP(nn.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, config: ExpertConfig) -> None:
+    def __init__(self, *, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -233,8 +255,17 @@ class ExpertLayer(nn.Module):
 
     def __init__(self, config: ExpertConfig) -> None:
         super().__init__()
-        self.self_attn = ExpertAttention(config)
-        self.mlp = ExpertMLP(config)
+        self.self_attn = ExpertAttention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            bias=config.attention_bias,
+        )
+        self.mlp = ExpertMLP(
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -258,7 +289,9 @@ class ExpertModel(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(ExpertLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(config)
+        self.rotary_emb = MRotaryEmbedding(
+            head_dim=config.head_dim, theta=config.rope_theta, section=config.mrope_section
+        )
 
     def forward(
         self,
@@ -316,7 +349,8 @@ def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.T
             f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
         )
     if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
-        raise ValueError(f"cache.valid: expected ({n_rows}, {length}), got {tuple(cache.valid.shape)}")
+        expected = (n_rows, length)
+        raise ValueError(f"cache.valid: expected {expected}, got {tuple(cache.valid.shape)}")
     offsets = cache.offsets.to(device=device, dtype=torch.long)
     deltas = cache.rope_deltas.to(device=device, dtype=torch.long)
     token = torch.arange(n_tokens, device=device)
@@ -325,7 +359,7 @@ def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.T
     blocked = (column[None, :] >= offsets[:, None]) & (column[None, :] < length)  # (N, T+n)
     if cache.valid is not None:
         blocked[:, :length] |= ~cache.valid.to(device=device, dtype=torch.bool)
-    mask = torch.zeros(n_rows, 1, n_tokens, length + n_tokens, device=device)
+    mask = torch.zeros(n_rows, 1, n_tokens, length + n_tokens, dtype=torch.float32, device=device)
     mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(torch.float32).min)
     return positions, mask
 
@@ -345,12 +379,13 @@ class ActionExpertModel(nn.Module):
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> torch.Tensor:
         """Predict the flow velocity (N, 64, 2) for noisy actions x (N, 64, 2) at times t (N,).
 
-        Free of host syncs, so the sampler loop can be captured in a CUDA graph.
+        Free of host syncs, so the sampler loop can be captured in a CUDA graph as long as
+        the cache tensors (incl. offsets, rope_deltas, valid) already live on the device.
         """
         n_rows = cache.keys[0].shape[0]
         if tuple(x.shape) != (n_rows, self.config.n_waypoints, ACTION_DIM):
             expected = (n_rows, self.config.n_waypoints, ACTION_DIM)
-            raise ValueError(f"x: expected {expected} (rows match the cache), got {tuple(x.shape)}")
+            raise ValueError(f"x: expected {expected} (cache rows), got {tuple(x.shape)}")
         if tuple(t.shape) != (n_rows,):
             raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
         embeds = self.action_in_proj(x, t)

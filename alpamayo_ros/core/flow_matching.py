@@ -53,13 +53,16 @@ def sample(
     if init_noise is None:
         if generator is None:
             raise ValueError("generator: required when init_noise is not given")
-        noise = torch.randn((batch, *ACTION_SHAPE), generator=generator, device=device, dtype=dtype)
+        # Drawn on the generator's device, so a CPU generator gives the same noise for CPU
+        # and GPU runs.
+        shape = (batch, *ACTION_SHAPE)
+        noise = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
     else:
         if tuple(init_noise.shape) != (batch, *ACTION_SHAPE):
             expected = (batch, *ACTION_SHAPE)
-            raise ValueError(f"init_noise: expected shape {expected}, got {tuple(init_noise.shape)}")
-        noise = init_noise.to(device=device, dtype=dtype)
-    x = noise * noise_temperature
+            raise ValueError(f"init_noise: expected {expected}, got {tuple(init_noise.shape)}")
+        noise = init_noise
+    x = noise.to(device=device, dtype=dtype) * noise_temperature
     times = torch.linspace(0.0, 1.0, steps + 1, device=device, dtype=dtype)
     for i in range(steps):
         t = times[i].expand(batch)
@@ -68,6 +71,7 @@ def sample(
         step = (times[i + 1] - times[i]).view(1, 1, 1)
         velocity = velocity_fn(x, t)
         if uncond_velocity_fn is not None:
-            velocity = (1 - guidance_weight) * uncond_velocity_fn(x, t) + guidance_weight * velocity
+            unguided = uncond_velocity_fn(x, t)
+            velocity = (1 - guidance_weight) * unguided + guidance_weight * velocity
         x = x + step * velocity
     return x

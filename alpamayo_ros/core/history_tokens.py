@@ -31,7 +31,7 @@ class DeltaHistoryTokenizer:
         if len(xyz_min) != 3 or len(xyz_max) != 3:
             raise ValueError(f"xyz_min/xyz_max: expected 3 values each, got {xyz_min}, {xyz_max}")
         if not all(low < high for low, high in zip(xyz_min, xyz_max)):
-            raise ValueError(f"xyz_min: must be below xyz_max per axis, got {xyz_min} vs {xyz_max}")
+            raise ValueError(f"xyz_min: must be below xyz_max per axis, {xyz_min} vs {xyz_max}")
         self.num_bins = num_bins
         self.xyz_min = tuple(float(v) for v in xyz_min)
         self.xyz_max = tuple(float(v) for v in xyz_max)

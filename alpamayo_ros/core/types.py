@@ -80,6 +80,7 @@ class SamplingSettings:
     temperature: float = 0.6  # reasoning text; <= 0 means greedy
     top_p: float = 0.98
     max_reasoning_tokens: int = 256
+    min_reasoning_tokens: int = 0  # benchmarks force an exact length: no stop before this many
     flow_steps: int = 10
     noise_temperature: float = 1.0  # scale of the initial flow-matching noise
     cfg_weight: float | None = None  # nav classifier-free guidance weight; None = off

@@ -25,14 +25,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm import ModelRegistry
+from transformers import BatchFeature
+from vllm import LLM, ModelRegistry, SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser, _create_qwen2vl_field_factory
+from vllm.model_executor.models.qwen3_vl import (
+    Qwen3VLDummyInputsBuilder,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMultiModalProcessor,
+    Qwen3VLProcessingInfo,
+)
 from vllm.model_executor.models.utils import WeightsMapper
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.parse import DictEmbeddingItems
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +70,48 @@ _PACKED_GPU_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINF
 _CPU_COLUMN_MAJOR_K_ISAS = ("vec", "vec16")
 
 
+class _PatchInputParser(Qwen2VLMultiModalDataParser):
+    """Also accepts {"pixel_values", "image_grid_thw"}: patches our preprocess already made.
+
+    vLLM then skips its own (CPU) image processor; the patches pass through to the vision
+    tower exactly as the HF backend receives them.
+    """
+
+    def _parse_image_data(self, data: Any) -> Any:
+        if isinstance(data, dict) and "pixel_values" in data:
+            return DictEmbeddingItems(
+                data,
+                modality="image",
+                required_fields={"pixel_values", "image_grid_thw"},
+                fields_factory=_create_qwen2vl_field_factory(self._spatial_merge_size),
+            )
+        return super()._parse_image_data(data)
+
+
+class _AlpamayoProcessingInfo(Qwen3VLProcessingInfo):
+    def get_data_parser(self) -> _PatchInputParser:
+        return _PatchInputParser(
+            self.get_hf_config().vision_config.spatial_merge_size,
+            video_needs_metadata=True,
+            expected_hidden_size=self._get_expected_hidden_size(),
+        )
+
+
+class _AlpamayoMultiModalProcessor(Qwen3VLMultiModalProcessor):
+    def _apply_hf_processor_mm_only(self, mm_items: Any, hf_processor_mm_kwargs: Any, tokenization_kwargs: Any) -> Any:
+        """Patch items need no HF processor call (which refuses image tokens without images)."""
+        items = list(mm_items.values())
+        if items and all(isinstance(item, DictEmbeddingItems) for item in items):
+            data: dict[str, Any] = {}
+            for item in items:
+                data.update(item.get_passthrough_data())
+            return BatchFeature(data)
+        return super()._apply_hf_processor_mm_only(mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    _AlpamayoMultiModalProcessor, info=_AlpamayoProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
+)
 class AlpamayoQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL loading the VLM straight out of an Alpamayo checkpoint.
 
@@ -359,3 +412,107 @@ class CaptureKVConnector(KVConnectorBase_V1):
             keys, values = self._sink.read(list(block_ids), num_fed)
             self._sink.captured[req_id] = CapturedKV(token_ids, keys, values)
         return False, None
+
+
+# ----------------------------------------------------------------------------------------
+# Engine and requests
+# ----------------------------------------------------------------------------------------
+
+
+def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
+    """One in-process vLLM engine with the capture connector (options: EngineOptions)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be '0': the K/V capture reads the engine in-process")
+    register_architecture()
+    extra: dict[str, Any] = {}
+    if options.kv_cache_gib is not None:
+        if current_platform.is_cpu():
+            # NOTE: the CPU platform reads its cache size only from this variable.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)
+        else:
+            extra["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
+    return LLM(
+        model=str(model_dir),
+        dtype=options.dtype,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        # a whole prompt prefills in one step (no chunking of the image tokens)
+        max_num_batched_tokens=options.max_model_len,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        enforce_eager=options.enforce_eager,
+        quantization=options.quantization,
+        enable_prefix_caching=options.enable_prefix_caching,
+        seed=options.seed,
+        limit_mm_per_prompt={"image": options.max_images, "video": 0},
+        enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
+        generation_config="vllm",  # every sampling setting comes from our SamplingParams
+        kv_transfer_config=sink.transfer_config(),
+        **extra,
+    )
+
+
+def shutdown_engine(llm: LLM) -> None:
+    """Stop the engine core so its memory can be released."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def sampling_params(
+    *, temperature: float, top_p: float, max_tokens: int, seed: int, allowed_token_ids: list[int] | None
+) -> SamplingParams:
+    """One row's sampling: no EOS stop (our stop rule decides), ids only, cumulative outputs."""
+    return SamplingParams(
+        n=1,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        allowed_token_ids=allowed_token_ids,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.CUMULATIVE,
+    )
+
+
+@dataclass
+class RequestResult:
+    prompt_token_ids: list[int]  # as vLLM expanded them
+    output_ids: list[int]  # sampled ids, in order
+    captured: CapturedKV
+
+
+def run_requests(
+    llm: LLM, sink: CaptureSink, requests: list[tuple[dict[str, Any], SamplingParams]], stop_after: int | None
+) -> list[RequestResult]:
+    """Run requests to completion and return their ids and K/V, in request order.
+
+    stop_after: a request is aborted as soon as one more token follows this id (upstream's
+    stop rule); its K/V then ends at that id.
+    """
+    engine = llm.llm_engine
+    tag = uuid.uuid4().hex[:12]
+    external = [f"alpamayo-{tag}-{row}" for row in range(len(requests))]
+    internal: dict[str, str] = {}
+    seen: dict[str, tuple[list[int], list[int]]] = {}
+    try:
+        for ext, (prompt, params) in zip(external, requests):
+            internal[ext] = engine.add_request(ext, prompt, params)
+            sink.wanted.add(internal[ext])
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                ids = list(output.outputs[0].token_ids)
+                stop_now = stop_after is not None and not output.finished and stop_after in ids[:-1]
+                if stop_now:
+                    engine.abort_request([output.request_id])
+                if output.finished or stop_now:
+                    seen[output.request_id] = (list(output.prompt_token_ids), ids)
+    except BaseException:
+        engine.abort_request([ext for ext in external if ext not in seen])
+        raise
+    finally:
+        for rid in internal.values():
+            sink.wanted.discard(rid)
+    missing = [ext for ext in external if ext not in seen or internal[ext] not in sink.captured]
+    if missing:
+        raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
+    return [RequestResult(*seen[ext], sink.captured.pop(internal[ext])) for ext in external]

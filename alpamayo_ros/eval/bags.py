@@ -23,6 +23,8 @@ from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
+from alpamayo_ros.ros.convert import compressed_image_to_rgb, raw_image_to_rgb
+
 logger = logging.getLogger(__name__)
 
 IMAGE = "sensor_msgs/msg/Image"
@@ -61,27 +63,11 @@ def ns_to_stamp(ns: int, typestore: Typestore) -> Any:
 def decode_image(msg: Any) -> np.ndarray:
     """Image or CompressedImage (rclpy or rosbags object) -> RGB uint8 (H, W, 3).
 
-    Duck-typed on the fields so the node and the evaluator decode bytes the same way.
+    Delegates to the drive node's decoders, so tools and tests see exactly the node's pixels.
     """
-    data = np.frombuffer(msg.data, dtype=np.uint8)
-    if hasattr(msg, "format"):  # CompressedImage
-        bgr = cv2.imdecode(data, cv2.IMREAD_COLOR)
-        if bgr is None:
-            raise ValueError(f"CompressedImage: cannot decode format {msg.format!r} ({data.size} bytes)")
-        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-    h, w, step, enc = int(msg.height), int(msg.width), int(msg.step), str(msg.encoding).lower()
-    channels = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1, "8uc1": 1, "8uc3": 3}
-    if enc not in channels:
-        raise ValueError(f"Image: unsupported encoding {msg.encoding!r} (8-bit rgb/bgr/rgba/bgra/mono only)")
-    c = channels[enc]
-    if data.size < h * step or step < w * c:
-        raise ValueError(f"Image: {data.size} bytes do not hold {h} rows of step {step} for {w}x{c}")
-    arr = data[: h * step].reshape(h, step)[:, : w * c].reshape(h, w, c)
-    if enc in ("rgb8", "8uc3"):
-        return np.ascontiguousarray(arr)
-    conversion = {"bgr8": cv2.COLOR_BGR2RGB, "rgba8": cv2.COLOR_RGBA2RGB, "bgra8": cv2.COLOR_BGRA2RGB,
-                  "mono8": cv2.COLOR_GRAY2RGB, "8uc1": cv2.COLOR_GRAY2RGB}[enc]
-    return cv2.cvtColor(arr, conversion)
+    if hasattr(msg, "format"):
+        return compressed_image_to_rgb(msg)
+    return raw_image_to_rgb(msg)
 
 
 def read_messages(path: str | Path, topics: Sequence[str] | None = None) -> Iterator[BagMessage]:
@@ -103,6 +89,12 @@ def read_messages(path: str | Path, topics: Sequence[str] | None = None) -> Iter
             conns = [c for c in conns if c.topic in set(topics)]
         for conn, log_time, raw in reader.messages(connections=conns):
             yield BagMessage(conn.topic, conn.msgtype, log_time, reader.deserialize(raw, conn.msgtype))
+
+
+def bag_time_range(path: str | Path) -> tuple[int, int]:
+    """(first, last) log time in ns."""
+    with AnyReader([Path(path)], default_typestore=kilted_typestore()) as reader:
+        return reader.start_time, reader.end_time
 
 
 def bag_topics(path: str | Path) -> dict[str, tuple[str, int]]:

@@ -148,7 +148,7 @@ def plot_camera(path: Path, image: np.ndarray, camera: CameraProjection, pred_xy
                 true_xyz: np.ndarray | None, title: str) -> None:
     """The t0 camera frame with predicted (red/orange) and recorded (blue) paths drawn on the ground."""
     cam = camera.scaled_to(image.shape[1], image.shape[0])
-    fig, ax = plt.subplots(figsize=(image.shape[1] / 100 * 2, image.shape[0] / 100 * 2), dpi=100)
+    fig, ax = plt.subplots(figsize=(6.0, 6.0 * image.shape[0] / image.shape[1] + 0.4), dpi=100)
     ax.imshow(image)
     for k, sample in enumerate(pred_xyz):
         uv = cam.project(np.column_stack([sample[:, :2], np.zeros(len(sample))]))

@@ -1,0 +1,248 @@
+"""Reference backbone on transformers' Qwen3VLForConditionalGeneration, with our own decode loop.
+
+Upstream calls `generate()` with a logits processor and a stopping criterion and reads the
+cache it leaves behind. We run the same steps by hand (forward + DynamicCache), which lets a
+request bring its own torch.Generator (generate() only uses the global RNG), skips the vision
+tower for all but one row, and makes the stop rule explicit:
+
+* logits in fp32; `<i*>` ids masked to -inf; then temperature and top-p (as HF's warpers),
+  or argmax when temperature <= 0;
+* a row that samples `<|im_end|>` is finished and is fed pad tokens from then on;
+* the loop stops one step after every row has produced `<|traj_future_start|>` (the extra
+  token, never fed, is why the cache holds every generated token but the last), when every
+  row is finished, or at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Sequence
+
+import torch
+
+from .backbone import PrefixCache, PromptInputs, Rollout
+from .config import AlpamayoConfig
+from .tokenizer import AlpamayoTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def sample_next(
+    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Pick one token per row from fp32 logits (N, V), the way HF's sampling warpers do."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scores = logits / temperature
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False  # always keep the most likely token
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+class HFBackbone:
+    """Backbone protocol implementation on a loaded transformers Qwen3-VL (see module doc)."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer: AlpamayoTokenizer, config: AlpamayoConfig) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        ids = tokenizer.ids
+        self._masked = (ids.traj_start, ids.traj_start + ids.traj_vocab_size)  # [start, end) of <i*>
+        # transformers renamed the forward's `past_key_values` to `cache` (5.2x); use whichever
+        # this release has, so the deprecation shim does not warn on every decode step.
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @torch.inference_mode()
+    def rollout(
+        self,
+        prompt: PromptInputs,
+        *,
+        num_samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        forced_ids: Sequence[int] | None = None,
+    ) -> Rollout:
+        """Generate reasoning for num_samples rows; see the module doc for the rules.
+
+        forced_ids, if given, is every row's complete generated sequence (teacher forcing):
+        nothing is sampled, and all but its last token are fed, as in a real rollout.
+        """
+        _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        prompt_len = int(prompt.input_ids.shape[0])
+        if forced_ids is not None:
+            forced = [int(token) for token in forced_ids]
+            if not forced:
+                raise ValueError("forced_ids: empty")
+            cache, _ = self._prefill_prompt(prompt, num_samples)
+            generated = torch.tensor([forced] * num_samples, dtype=torch.long, device=self.device)
+            if len(forced) > 1:
+                self._step(generated[:, :-1], cache, prompt_len, prompt.rope_delta)
+        else:
+            cache, generated = self._decode(prompt, num_samples, temperature, top_p, max_new_tokens, generator)
+        rows = [self._until_stop(row) for row in generated.tolist()]
+        return Rollout(generated_ids=rows, cache=self._prefix_cache(cache, prompt_len, prompt.rope_delta, generated))
+
+    def _decode(
+        self,
+        prompt: PromptInputs,
+        num_samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ):
+        """Upstream's masked sampling loop with its stop rule; returns (cache, tokens (N, steps))."""
+        ids = self.tokenizer.ids
+        cache, logits = self._prefill_prompt(prompt, num_samples)
+        prompt_len = int(prompt.input_ids.shape[0])
+        tokens: list[torch.Tensor] = []
+        finished = torch.zeros(num_samples, dtype=torch.bool, device=self.device)
+        found_stop = torch.zeros_like(finished)
+        for step in range(max_new_tokens):
+            logits[:, self._masked[0]:self._masked[1]] = float("-inf")
+            token = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
+            token = torch.where(finished, ids.pad, token)
+            tokens.append(token)
+            stop_now = bool(found_stop.all())  # every row had produced it before this token
+            found_stop |= token == ids.traj_future_start
+            finished |= token == ids.im_end
+            if stop_now or bool(finished.all()) or step + 1 == max_new_tokens:
+                break
+            logits = self._step(token[:, None], cache, prompt_len + step, prompt.rope_delta)
+        return cache, torch.stack(tokens, dim=1)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: PromptInputs, generated_ids: Sequence[Sequence[int]]) -> PrefixCache:
+        """K/V of prompt + each row's generated tokens (rows right-padded with pad tokens).
+
+        The prompt (and the vision tower) runs once; its cache is repeated per row, then all
+        rows' tokens go through in one forward, as upstream builds its route-free CFG cache.
+        """
+        if not generated_ids or not all(generated_ids):
+            raise ValueError("generated_ids: need at least one row, each with at least one token")
+        rows = len(generated_ids)
+        cache, _ = self._prefill_prompt(prompt, rows)
+        width = max(len(row) for row in generated_ids)
+        pad = self.tokenizer.ids.pad
+        padded = torch.tensor(
+            [list(row) + [pad] * (width - len(row)) for row in generated_ids], dtype=torch.long, device=self.device
+        )
+        prompt_len = int(prompt.input_ids.shape[0])
+        self._step(padded, cache, prompt_len, prompt.rope_delta)
+        lengths = torch.tensor([len(row) for row in generated_ids], device=self.device)
+        return self._prefix_cache(cache, prompt_len, prompt.rope_delta, padded, lengths)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: PromptInputs,
+        *,
+        num_samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> list[list[int]]:
+        """Plain sampling for VQA (upstream's generate_text): no `<i*>` mask, no trajectory
+        stop rule; a row ends at `<|im_end|>` (kept in its ids)."""
+        _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        ids = self.tokenizer.ids
+        cache, logits = self._prefill_prompt(prompt, num_samples)
+        prompt_len = int(prompt.input_ids.shape[0])
+        tokens: list[torch.Tensor] = []
+        finished = torch.zeros(num_samples, dtype=torch.bool, device=self.device)
+        for step in range(max_new_tokens):
+            token = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
+            tokens.append(torch.where(finished, ids.pad, token))
+            finished |= tokens[-1] == ids.im_end
+            if bool(finished.all()) or step + 1 == max_new_tokens:
+                break
+            logits = self._step(tokens[-1][:, None], cache, prompt_len + step, prompt.rope_delta)
+        rows = torch.stack(tokens, dim=1).tolist()
+        return [row[: row.index(ids.im_end) + 1] if ids.im_end in row else row for row in rows]
+
+    def _prefill_prompt(self, prompt: PromptInputs, rows: int):
+        """Run the prompt once (one row) and repeat its cache and last logits to `rows` rows."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        outputs = self.model(
+            input_ids=prompt.input_ids[None].to(self.device),
+            position_ids=prompt.position_ids[:, None].to(self.device),
+            pixel_values=prompt.pixel_values.to(self.device),
+            image_grid_thw=prompt.image_grid_thw.to(self.device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        cache.batch_repeat_interleave(rows)
+        return cache, outputs.logits[:, -1].float().repeat(rows, 1)
+
+    def _step(self, tokens: torch.Tensor, cache, start: int, rope_delta: int) -> torch.Tensor:
+        """Feed tokens (N, L) at sequence index start.. into the cache; fp32 logits of the last."""
+        rows, length = tokens.shape
+        positions = torch.arange(start, start + length, device=self.device) + rope_delta
+        outputs = self.model(
+            input_ids=tokens,
+            position_ids=positions.expand(3, rows, length),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return outputs.logits[:, -1].float()
+
+    def _until_stop(self, row: list[int]) -> list[int]:
+        """Cut a row after its first <|traj_future_start|> (keep it all if there is none)."""
+        stop = self.tokenizer.ids.traj_future_start
+        return row[: row.index(stop) + 1] if stop in row else row
+
+    def _prefix_cache(
+        self,
+        cache,
+        prompt_len: int,
+        rope_delta: int,
+        generated: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+    ) -> PrefixCache:
+        """Wrap the DynamicCache; offset = just after the first <|traj_future_start|>.
+
+        A row without it gets offset prompt + its length (upstream: last index + 1), so
+        only its own tokens are attended.
+        """
+        rows, width = generated.shape
+        lengths = torch.full((rows,), width, device=self.device) if lengths is None else lengths
+        is_stop = generated == self.tokenizer.ids.traj_future_start
+        first = torch.where(is_stop.any(dim=1), is_stop.int().argmax(dim=1) + 1, lengths)
+        layers = cache.layers
+        return PrefixCache(
+            keys=[layer.keys for layer in layers],
+            values=[layer.values for layer in layers],
+            offsets=(first + prompt_len).to(torch.long),
+            rope_deltas=torch.full((rows,), rope_delta, dtype=torch.long, device=self.device),
+        )
+
+
+def _check_sampling(num_samples: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if num_samples < 1:
+        raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if temperature != temperature:
+        raise ValueError("temperature: NaN")

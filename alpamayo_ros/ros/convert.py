@@ -1,0 +1,229 @@
+"""ROS message <-> numpy conversion for the drive node (no cv_bridge: cv2 + numpy only).
+
+Image decoding raises ImageRejected with a stable reason key, so the node can count drops
+per reason and report them; plan conversion turns a Plan's arrays into Path, TrajectorySet
+and MarkerArray messages in the configured output frame.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import cv2
+import numpy as np
+from builtin_interfaces.msg import Time
+from geometry_msgs.msg import Point, Pose, PoseStamped, Quaternion, Vector3
+from nav_msgs.msg import Odometry, Path
+from sensor_msgs.msg import CompressedImage, Image
+from std_msgs.msg import ColorRGBA, Header
+from visualization_msgs.msg import Marker, MarkerArray
+
+from alpamayo_ros_msgs.msg import Trajectory, TrajectorySet
+
+NS_PER_S = 1_000_000_000
+
+#: raw encoding -> (channels, cv2 conversion to RGB or None when already RGB)
+RAW_ENCODINGS: dict[str, tuple[int, int | None]] = {
+    "rgb8": (3, None),
+    "bgr8": (3, cv2.COLOR_BGR2RGB),
+    "rgba8": (4, cv2.COLOR_RGBA2RGB),
+    "bgra8": (4, cv2.COLOR_BGRA2RGB),
+    "mono8": (1, cv2.COLOR_GRAY2RGB),
+}
+JPEG_START = b"\xff\xd8"
+JPEG_END = b"\xff\xd9"
+
+
+class ImageRejected(ValueError):
+    """An image message that cannot become an RGB frame; reason is a stable diagnostic key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def stamp_to_ns(stamp: Time) -> int:
+    return stamp.sec * NS_PER_S + stamp.nanosec
+
+
+def ns_to_stamp(ns: int) -> Time:
+    return Time(sec=ns // NS_PER_S, nanosec=ns % NS_PER_S)
+
+
+def raw_image_to_rgb(msg: Image) -> np.ndarray:
+    """H x W x 3 uint8 RGB copy of a raw Image (8-bit encodings only)."""
+    if msg.encoding not in RAW_ENCODINGS:
+        raise ImageRejected("unsupported_encoding", f"encoding {msg.encoding!r} (supported: {', '.join(RAW_ENCODINGS)})")
+    channels, conversion = RAW_ENCODINGS[msg.encoding]
+    height, width, step = msg.height, msg.width, msg.step
+    if height == 0 or width == 0:
+        raise ImageRejected("empty_image", f"{width}x{height} image")
+    if step < width * channels:
+        raise ImageRejected("bad_data_length", f"step {step} < width {width} x {channels} channels")
+    if len(msg.data) != step * height:
+        raise ImageRejected("bad_data_length", f"{len(msg.data)} bytes != step {step} x height {height}")
+    rows = np.frombuffer(msg.data, dtype=np.uint8).reshape(height, step)
+    pixels = rows[:, : width * channels].reshape(height, width, channels)
+    if conversion is None:
+        return pixels.copy()  # the message buffer is reused by rclpy; keep our own frame
+    return cv2.cvtColor(pixels, conversion)
+
+
+def compressed_image_to_rgb(msg: CompressedImage) -> np.ndarray:
+    """H x W x 3 uint8 RGB of a JPEG or PNG CompressedImage."""
+    data = bytes(msg.data)
+    if not data:
+        raise ImageRejected("empty_image", "no compressed bytes")
+    if data.startswith(JPEG_START) and not data.rstrip(b"\x00").endswith(JPEG_END):
+        # libjpeg decodes a truncated stream into a half-grey frame with only a warning
+        raise ImageRejected("corrupt_image", f"truncated JPEG ({len(data)} bytes, no end marker)")
+    bgr = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    if bgr is None:
+        raise ImageRejected("corrupt_image", f"cannot decode {len(data)} bytes of format {msg.format!r}")
+    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+
+def fit_image(image: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
+    """Resize to (width, height) with area averaging; None keeps the image."""
+    if size is None or (image.shape[1], image.shape[0]) == size:
+        return image
+    return cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+
+
+def odometry_pose(msg: Odometry) -> tuple[int, np.ndarray, np.ndarray]:
+    """(stamp ns, xyz, quaternion xyzw) of an Odometry message."""
+    p, q = msg.pose.pose.position, msg.pose.pose.orientation
+    return stamp_to_ns(msg.header.stamp), np.array([p.x, p.y, p.z]), np.array([q.x, q.y, q.z, q.w])
+
+
+def select_sample(xyz: np.ndarray, policy: str) -> tuple[int, np.ndarray]:
+    """(selected index or -1 for 'all', per-sample score) for (S, N, 3) waypoints.
+
+    score = summed mean xy distance to every other sample; the medoid has the smallest.
+    """
+    xy = xyz[..., :2].astype(np.float64)
+    pairwise = np.linalg.norm(xy[:, None] - xy[None, :], axis=-1).mean(axis=-1)  # (S, S)
+    scores = pairwise.sum(axis=1)
+    if policy == "first":
+        return 0, scores
+    if policy == "medoid":
+        return int(np.argmin(scores)), scores
+    if policy == "all":
+        return -1, scores
+    raise ValueError(f"policy: {policy!r} is not first, medoid or all")
+
+
+def to_frame(xyz: np.ndarray, rot: np.ndarray, xyz_t0: np.ndarray | None, rot_t0: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Map t0-ego-frame poses into the odometry frame (identity when xyz_t0 is None)."""
+    if xyz_t0 is None or rot_t0 is None:
+        return xyz.astype(np.float64), rot.astype(np.float64)
+    return xyz.astype(np.float64) @ rot_t0.T + xyz_t0, np.einsum("ij,...jk->...ik", rot_t0, rot.astype(np.float64))
+
+
+def rotation_to_quaternion(rot: np.ndarray) -> np.ndarray:
+    """(..., 4) xyzw unit quaternions of rotation matrices (..., 3, 3)."""
+    m = rot.reshape(-1, 3, 3)
+    trace = np.trace(m, axis1=1, axis2=2)
+    # each row uses the best-conditioned of four formulas (largest diagonal term)
+    candidates = np.stack([trace, m[:, 0, 0], m[:, 1, 1], m[:, 2, 2]], axis=1)
+    best = np.argmax(candidates, axis=1)
+    quat = np.empty((m.shape[0], 4))
+    for row, case in enumerate(best):
+        r = m[row]
+        if case == 0:
+            s = 2.0 * np.sqrt(1.0 + trace[row])
+            quat[row] = [(r[2, 1] - r[1, 2]) / s, (r[0, 2] - r[2, 0]) / s, (r[1, 0] - r[0, 1]) / s, 0.25 * s]
+        elif case == 1:
+            s = 2.0 * np.sqrt(1.0 + r[0, 0] - r[1, 1] - r[2, 2])
+            quat[row] = [0.25 * s, (r[0, 1] + r[1, 0]) / s, (r[0, 2] + r[2, 0]) / s, (r[2, 1] - r[1, 2]) / s]
+        elif case == 2:
+            s = 2.0 * np.sqrt(1.0 + r[1, 1] - r[0, 0] - r[2, 2])
+            quat[row] = [(r[0, 1] + r[1, 0]) / s, 0.25 * s, (r[1, 2] + r[2, 1]) / s, (r[0, 2] - r[2, 0]) / s]
+        else:
+            s = 2.0 * np.sqrt(1.0 + r[2, 2] - r[0, 0] - r[1, 1])
+            quat[row] = [(r[0, 2] + r[2, 0]) / s, (r[1, 2] + r[2, 1]) / s, 0.25 * s, (r[1, 0] - r[0, 1]) / s]
+    quat /= np.linalg.norm(quat, axis=1, keepdims=True)
+    return quat.reshape(*rot.shape[:-2], 4)
+
+
+def _poses(xyz: np.ndarray, quat: np.ndarray) -> list[Pose]:
+    return [
+        Pose(
+            position=Point(x=float(p[0]), y=float(p[1]), z=float(p[2])),
+            orientation=Quaternion(x=float(q[0]), y=float(q[1]), z=float(q[2]), w=float(q[3])),
+        )
+        for p, q in zip(xyz, quat)
+    ]
+
+
+def path_message(header: Header, xyz: np.ndarray, rot: np.ndarray, dt_s: float) -> Path:
+    """nav_msgs/Path of one sample; waypoint k is stamped t0 + (k+1)*dt."""
+    t0_ns = stamp_to_ns(header.stamp)
+    step_ns = int(round(dt_s * NS_PER_S))
+    poses = _poses(xyz, rotation_to_quaternion(rot))
+    return Path(
+        header=header,
+        poses=[
+            PoseStamped(header=Header(stamp=ns_to_stamp(t0_ns + (k + 1) * step_ns), frame_id=header.frame_id), pose=pose)
+            for k, pose in enumerate(poses)
+        ],
+    )
+
+
+def trajectory_set_message(
+    header: Header, xyz: np.ndarray, rot: np.ndarray, dt_s: float, scores: np.ndarray, selected: int, policy: str
+) -> TrajectorySet:
+    """Every sample of (S, N, 3)/(S, N, 3, 3) waypoints as an alpamayo_ros_msgs/TrajectorySet."""
+    quat = rotation_to_quaternion(rot)
+    return TrajectorySet(
+        header=header,
+        dt_s=float(dt_s),
+        horizon_s=float(dt_s * xyz.shape[1]),
+        samples=[Trajectory(poses=_poses(x, q)) for x, q in zip(xyz, quat)],
+        scores=[float(s) for s in scores],
+        selected_index=int(selected),
+        selection_policy=policy,
+    )
+
+
+def marker_array_message(header: Header, xyz: np.ndarray, selected: int, coc: str, text_position: np.ndarray) -> MarkerArray:
+    """A line strip per sample (selected one wide and green) plus the reasoning as text."""
+    markers = [Marker(header=header, action=Marker.DELETEALL)]  # drop lines of a previous, larger plan
+    for index, sample in enumerate(xyz):
+        chosen = index == selected
+        markers.append(
+            Marker(
+                header=header,
+                ns="samples",
+                id=index,
+                type=Marker.LINE_STRIP,
+                action=Marker.ADD,
+                pose=Pose(orientation=Quaternion(w=1.0)),
+                scale=_scale(0.3 if chosen else 0.12),
+                color=ColorRGBA(r=0.1, g=0.9, b=0.2, a=1.0) if chosen else ColorRGBA(r=0.3, g=0.5, b=1.0, a=0.6),
+                points=[Point(x=float(p[0]), y=float(p[1]), z=float(p[2])) for p in sample],
+            )
+        )
+    markers.append(
+        Marker(
+            header=header,
+            ns="reasoning",
+            id=0,
+            type=Marker.TEXT_VIEW_FACING,
+            action=Marker.ADD,
+            pose=Pose(
+                position=Point(x=float(text_position[0]), y=float(text_position[1]), z=float(text_position[2]) + 3.0),
+                orientation=Quaternion(w=1.0),
+            ),
+            scale=_scale(0.5),
+            color=ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0),
+            text="\n".join(textwrap.wrap(coc, 60)) or "(no reasoning)",
+            frame_locked=True,
+        )
+    )
+    return MarkerArray(markers=markers)
+
+
+def _scale(size: float) -> Vector3:
+    return Vector3(x=size, y=size, z=size)

@@ -1,0 +1,234 @@
+"""Benchmark the planning pipeline (the same `Pipeline.plan` the node calls), per stage.
+
+Workloads (issue 7): W16 = cameras 0,1,2,6 x 4 frames of 1080x1920 RGB, 1 sample, reasoning forced
+to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights.
+Every backend named in --backends runs the same inputs in the same process, so the printed ratios
+are same-run figures. `--smoke` runs a tiny random checkpoint on the CPU (CI keeps it from rotting).
+
+    python bench/bench_pipeline.py --smoke
+    python bench/bench_pipeline.py --workload W16 --backends vllm,hf --runs 50 --full-size-dir /tmp/ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from alpamayo_ros.core.config import AlpamayoConfig
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
+from alpamayo_ros.core.types import FRAME_SPACING_S, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
+
+logger = logging.getLogger("bench")
+
+# H200 figures measured on the lent machine (device tool KINDS.md): copy bandwidth, bf16 GEMM peak.
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+
+
+@dataclass(frozen=True)
+class Workload:
+    cameras: tuple[int, ...]
+    frames: int = 4
+    height: int = 1080
+    width: int = 1920
+    reasoning_tokens: int = 40
+    quantization: str | None = None
+
+
+WORKLOADS = {
+    "W16": Workload(cameras=(0, 1, 2, 6)),
+    "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8"),
+    "W4": Workload(cameras=(1,)),
+    "smoke": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8),
+}
+
+
+def synthetic_input(workload: Workload, seed: int) -> DrivingInput:
+    """Random frames and a straight 10 m/s history: content does not change the cost."""
+    rng = np.random.default_rng(seed)
+    shape = (len(workload.cameras), workload.frames, workload.height, workload.width, 3)
+    images = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    t0_ns = 10_000_000_000
+    spacing_ns = int(FRAME_SPACING_S * 1e9)
+    stamps = t0_ns - spacing_ns * np.arange(workload.frames - 1, -1, -1, dtype=np.int64)
+    history_x = 10.0 * 0.1 * np.arange(-(NUM_HISTORY_POSES - 1), 1, dtype=np.float32)
+    xyz = np.stack([history_x, np.zeros_like(history_x), np.zeros_like(history_x)], axis=-1)
+    rot = np.broadcast_to(np.eye(3, dtype=np.float32), (NUM_HISTORY_POSES, 3, 3)).copy()
+    return DrivingInput(
+        images=images,
+        camera_indices=workload.cameras,
+        frame_stamps_ns=np.broadcast_to(stamps, shape[:2]).copy(),
+        t0_ns=t0_ns,
+        ego_history_xyz=xyz,
+        ego_history_rot=rot,
+    )
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    array = np.asarray(values, dtype=np.float64)
+    return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)}
+
+
+def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int) -> dict:
+    """Time `runs` plans after `warmup`; per-stage percentiles from Plan.timings_ms."""
+    settings = SamplingSettings(
+        num_samples=1,
+        temperature=0.0,
+        max_reasoning_tokens=workload.reasoning_tokens,
+        min_reasoning_tokens=workload.reasoning_tokens,
+        flow_steps=10,
+    )
+    stages: dict[str, list[float]] = {}
+    generated: list[int] = []
+    for index in range(warmup + runs):
+        inputs = synthetic_input(workload, seed=index)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        plan = pipeline.plan(inputs, settings)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        if index < warmup:
+            continue
+        generated.append(len(plan.generated_ids[0]))
+        for stage, ms in plan.timings_ms.items():
+            stages.setdefault(stage, []).append(ms)
+        stages.setdefault("wall", []).append(wall_ms)
+    return {
+        "stages_ms": {stage: percentiles(values) for stage, values in stages.items()},
+        "generated_tokens": sorted(set(generated)),
+        "runs": runs,
+    }
+
+
+def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, image_patches: int) -> dict:
+    """Lower bounds for the workload on one H200, from bytes moved and FLOPs."""
+    text = config.backbone.text
+    hidden, layers, inter = text["hidden_size"], text["num_hidden_layers"], text["intermediate_size"]
+    heads, kv_heads, head_dim = text["num_attention_heads"], text["num_key_value_heads"], config.backbone.head_dim
+    layer_params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    vocab = config.vocab_size
+    weight_bytes = 2 if workload.quantization is None else 1
+    decode_bytes = (layers * layer_params + vocab * hidden) * weight_bytes
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+    decode_ms = (decode_bytes + kv_bytes_per_token * prompt_tokens) / HBM_BYTES_PER_S * 1e3
+    prefill_flops = 2 * layers * layer_params * prompt_tokens + 4 * layers * heads * head_dim * prompt_tokens**2 / 2
+    vision = config.backbone.vision
+    v_hidden, v_inter, depth = vision["hidden_size"], vision["intermediate_size"], vision["depth"]
+    vision_params = depth * (4 * v_hidden * v_hidden + 2 * v_hidden * v_inter)
+    vision_flops = 2 * vision_params * image_patches
+    expert = config.expert
+    expert_layer = expert.hidden_size * expert.head_dim * (2 * expert.num_heads + 2 * expert.num_kv_heads)
+    expert_params = expert.num_layers * (expert_layer + 3 * expert.hidden_size * expert.intermediate_size)
+    prefix_kv = kv_bytes_per_token * prompt_tokens * expert.num_layers / layers
+    expert_ms = 10 * (expert_params * 2 + prefix_kv) / HBM_BYTES_PER_S * 1e3
+    floors = {
+        "vision": vision_flops / BF16_FLOPS_PER_S * 1e3,
+        "prefill": prefill_flops / BF16_FLOPS_PER_S * 1e3,
+        "decode": decode_ms * workload.reasoning_tokens,
+        "expert": expert_ms,
+    }
+    floors["total"] = sum(floors.values())
+    return floors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny random checkpoint on the CPU")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W16")
+    parser.add_argument("--backends", default="vllm,hf", help="comma list; the first is the one measured against the rest")
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--checkpoint", type=Path, help="existing checkpoint directory")
+    parser.add_argument("--full-size-dir", type=Path, help="write a full-size random checkpoint here (on this machine)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    workload = WORKLOADS["smoke" if args.smoke else args.workload]
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.checkpoint:
+        checkpoint = args.checkpoint
+    elif args.full_size_dir:
+        start = time.perf_counter()
+        checkpoint = write_checkpoint(args.full_size_dir, full_size=True, weights=True, dtype=getattr(torch, dtype), device=args.device)
+        logger.info("full-size random checkpoint written in %.1f s", time.perf_counter() - start)
+    else:
+        checkpoint = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-ckpt-")), dtype=getattr(torch, dtype))
+    config = AlpamayoConfig.from_checkpoint(checkpoint)
+
+    results: dict = {"workload": args.workload if not args.smoke else "smoke", "device": args.device, "dtype": dtype, "backends": {}}
+    if torch.cuda.is_available():
+        results["gpu"] = torch.cuda.get_device_name()
+    for backend in args.backends.split(","):
+        options = {}
+        if backend == "vllm":
+            options = {"gpu_memory_utilization": args.gpu_memory_utilization, "quantization": workload.quantization}
+            if not args.device.startswith("cuda"):
+                options = {"enforce_eager": True, "kv_cache_gib": 1}
+        start = time.perf_counter()
+        pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype, backend_options=options)
+        load_s = time.perf_counter() - start
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        measured = run_backend(pipeline, workload, args.runs, args.warmup)
+        measured["load_s"] = load_s
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            measured["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            measured["gpu_in_use_gib"] = (total - free) / 2**30
+        results["backends"][backend] = measured
+        pipeline.close()
+        del pipeline
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    prompt_tokens = 340 * len(workload.cameras) * workload.frames // 4 + 100  # informational only
+    results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, 720 * len(workload.cameras) * workload.frames)
+    print_report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def print_report(results: dict) -> None:
+    """Markdown tables: per-stage p50/p90/p99 per backend, ratios against the first backend."""
+    backends = list(results["backends"])
+    lines = [f"## {results['workload']} on {results.get('gpu', results['device'])} ({results['dtype']})", ""]
+    lines.append("| backend | stage | p50 ms | p90 ms | p99 ms | floor ms | floor/p50 |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    floors = results["roofline_floor_ms"]
+    for backend in backends:
+        for stage, p in results["backends"][backend]["stages_ms"].items():
+            floor = floors.get(stage)
+            frac = f"{floor / p['p50']:.2f}" if floor and p["p50"] > 0 else ""
+            floor_text = f"{floor:.1f}" if floor else ""
+            lines.append(f"| {backend} | {stage} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} | {floor_text} | {frac} |")
+    if len(backends) > 1:
+        first = results["backends"][backends[0]]["stages_ms"]["total"]["p50"]
+        for other in backends[1:]:
+            ratio = results["backends"][other]["stages_ms"]["total"]["p50"] / first
+            lines.append("")
+            lines.append(f"{other} total p50 / {backends[0]} total p50 = **{ratio:.2f}x**")
+    for backend in backends:
+        info = results["backends"][backend]
+        extra = ", ".join(f"{k}={v:.2f}" for k, v in info.items() if isinstance(v, float))
+        lines.append(f"- {backend}: runs={info['runs']}, generated tokens={info['generated_tokens']}, {extra}")
+    print("\n".join(lines))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

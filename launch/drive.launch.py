@@ -1,0 +1,119 @@
+"""Launch alpamayo_drive (and optionally rviz2) with config/drive.yaml plus argument overrides.
+
+`ros2 launch alpamayo_ros drive.launch.py checkpoint_path:=/models/Alpamayo-1.5-10B backend:=vllm`
+
+Every key parameter is a launch argument; an argument left empty keeps the params file's
+value, so the YAML stays the single place for defaults. ROS 2 launch is not on PyPI: without
+it this file still imports (the static test reads PARAMETER_ARGUMENTS), and the node is
+started from its console script instead (see README).
+"""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+try:
+    from ament_index_python.packages import get_package_share_directory
+    from launch import LaunchDescription
+    from launch.actions import DeclareLaunchArgument, OpaqueFunction
+    from launch.conditions import IfCondition
+    from launch.substitutions import LaunchConfiguration
+    from launch_ros.actions import Node
+except ImportError:  # PyPI ROS 2 wheels: no launch / launch_ros
+    LaunchDescription = None
+
+PACKAGE = "alpamayo_ros"
+
+#: launch argument -> node parameter it overrides (when not empty)
+PARAMETER_ARGUMENTS: dict[str, str] = {
+    "checkpoint_path": "model.checkpoint_path",
+    "backend": "model.backend",
+    "device": "model.device",
+    "dtype": "model.dtype",
+    "model_id": "model.id",
+    "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "max_model_len": "vllm.max_model_len",
+    "tensor_parallel_size": "vllm.tensor_parallel_size",
+    "enforce_eager": "vllm.enforce_eager",
+    "quantization": "vllm.quantization",
+    "camera_topics": "cameras.topics",
+    "camera_indices": "cameras.indices",
+    "camera_transports": "cameras.transports",
+    "odometry_topic": "odometry.topic",
+    "navigation_topic": "navigation.topic",
+    "output_frame": "output.frame",
+    "planning_rate_hz": "planning.rate_hz",
+    "num_samples": "sampling.num_samples",
+    "selection": "sampling.selection",
+    "flow_steps": "sampling.flow_steps",
+    "max_reasoning_tokens": "sampling.max_reasoning_tokens",
+    "cfg_weight": "sampling.cfg_weight",
+    "seed": "sampling.seed",
+}
+
+#: launch-only arguments: name -> (default, description); "" defaults are resolved at launch
+LAUNCH_ARGUMENTS: dict[str, tuple[str, str]] = {
+    "params_file": ("", "Parameters YAML; empty = the installed config/drive.yaml."),
+    "namespace": ("", "Namespace of the node."),
+    "use_sim_time": ("false", "Use /clock (bag replay, simulators)."),
+    "rviz": ("false", "Also start rviz2 with config/alpamayo.rviz."),
+    "log_level": ("info", "Node log level."),
+}
+
+
+def parameter_overrides(arguments: dict[str, str]) -> dict[str, object]:
+    """Typed parameter values for the non-empty launch arguments (YAML syntax: `[0, 1]`, `true`)."""
+    from alpamayo_ros.ros.params import SPECS, check_value
+
+    overrides: dict[str, object] = {}
+    for argument, parameter in PARAMETER_ARGUMENTS.items():
+        text = arguments.get(argument, "")
+        if text == "":
+            continue
+        value = yaml.safe_load(text)
+        if isinstance(SPECS[parameter].default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # `planning_rate_hz:=2` must still be a double parameter
+        if isinstance(SPECS[parameter].default, str) and not isinstance(value, str):
+            value = text
+        check_value(parameter, value)
+        overrides[parameter] = value
+    return overrides
+
+
+def _launch_nodes(context) -> list:
+    arguments = {name: LaunchConfiguration(name).perform(context) for name in (*PARAMETER_ARGUMENTS, *LAUNCH_ARGUMENTS)}
+    share = get_package_share_directory(PACKAGE)
+    params_file = arguments["params_file"] or os.path.join(share, "config", "drive.yaml")
+    overrides = parameter_overrides(arguments)
+    overrides["use_sim_time"] = arguments["use_sim_time"].lower() == "true"
+    drive = Node(
+        package=PACKAGE,
+        executable="alpamayo_drive",
+        namespace=arguments["namespace"],
+        parameters=[params_file, overrides],
+        ros_arguments=["--log-level", arguments["log_level"]],
+        output="screen",
+        emulate_tty=True,
+    )
+    rviz = Node(
+        package="rviz2",
+        executable="rviz2",
+        arguments=["-d", os.path.join(share, "config", "alpamayo.rviz")],
+        parameters=[{"use_sim_time": overrides["use_sim_time"]}],
+        condition=IfCondition(arguments["rviz"]),
+    )
+    return [drive, rviz]
+
+
+def generate_launch_description():
+    """The launch description; fails with a hint where ROS 2 launch is not installed."""
+    if LaunchDescription is None:
+        raise RuntimeError(
+            "ROS 2 launch is not installed (PyPI wheels); run "
+            "`alpamayo_drive --ros-args --params-file config/drive.yaml -p model.checkpoint_path:=...` instead"
+        )
+    declared = [DeclareLaunchArgument(name, default_value="", description=f"Overrides parameter {parameter}.") for name, parameter in PARAMETER_ARGUMENTS.items()]
+    declared += [DeclareLaunchArgument(name, default_value=default, description=text) for name, (default, text) in LAUNCH_ARGUMENTS.items()]
+    return LaunchDescription([*declared, OpaqueFunction(function=_launch_nodes)])

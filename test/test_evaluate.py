@@ -1,0 +1,149 @@
+"""The bag evaluator on a bag whose ego motion is known in closed form.
+
+The planner here is a test double that returns the analytic future (optionally shifted), so
+the evaluator's recorded future, frames and metrics are checked against exact numbers.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.eval.bags import BagWriter
+from alpamayo_ros.eval.evaluate import (FUTURE_UNAVAILABLE, ReportOptions, drive_settings, evaluate_bag,
+                                        load_params_file, write_report)
+from alpamayo_ros.eval.report import CameraProjection
+
+S = 1_000_000_000
+T_START = 1_000 * S
+DURATION_S = 12.0
+RADIUS, SPEED = 60.0, 10.0  # left circle
+CAM_TOPICS = ["/test/front/compressed", "/test/left/compressed"]
+CAM_INDICES = [1, 0]
+
+
+def pose_at(t_ns: int) -> tuple[np.ndarray, float]:
+    """Analytic ego pose (odometry frame) at absolute time t_ns: a left circle at constant speed."""
+    phi = SPEED * (t_ns - T_START) / S / RADIUS
+    return np.array([RADIUS * math.sin(phi) + 5.0, RADIUS * (1 - math.cos(phi)) - 2.0, 0.3]), phi
+
+
+def future_in_t0_frame(t0_ns: int) -> np.ndarray:
+    p0, yaw0 = pose_at(t0_ns)
+    c, s = math.cos(yaw0), math.sin(yaw0)
+    pts = np.stack([pose_at(t0_ns + k * S // 10)[0] for k in range(1, 65)]) - p0
+    return np.stack([c * pts[:, 0] + s * pts[:, 1], -s * pts[:, 0] + c * pts[:, 1], pts[:, 2]], -1)
+
+
+class FutureOracle:
+    """Test double: 'plans' the recorded future, shifted left by offset_m."""
+
+    def __init__(self, offset_m: float = 0.0) -> None:
+        self.offset_m, self.inputs = offset_m, []
+
+    def plan(self, driving_input: DrivingInput, settings: SamplingSettings) -> Plan:
+        self.inputs.append(driving_input)
+        xyz = future_in_t0_frame(driving_input.t0_ns) + np.array([0.0, self.offset_m, 0.0])
+        return Plan(xyz=xyz[None].astype(np.float32), rot=np.tile(np.eye(3, dtype=np.float32), (1, 64, 1, 1)),
+                    coc=["oracle"], generated_ids=[[]], t0_ns=driving_input.t0_ns, backend="test-double",
+                    timings_ms={"total": 1.0})
+
+
+@pytest.fixture(scope="module")
+def bag(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval") / "circle"
+    rng = np.random.default_rng(0)
+    with BagWriter(path, storage="mcap") as w:
+        for i in range(int(DURATION_S * 50) + 1):  # odometry 50 Hz, logged 3 ms after capture
+            t = T_START + i * S // 50
+            xyz, yaw = pose_at(t)
+            w.write("/odom", "nav_msgs/msg/Odometry", t + 3_000_000,
+                    w.odometry(t, xyz, (0.0, 0.0, math.sin(yaw / 2), math.cos(yaw / 2)), (SPEED, 0, 0), (0, 0, SPEED / RADIUS)))
+            if i % 5 == 0:  # cameras 10 Hz, 7 ms apart, logged 20 ms after capture
+                for c, topic in enumerate(CAM_TOPICS):
+                    img = rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)
+                    stamp = t + c * 7_000_000
+                    w.write(topic, "sensor_msgs/msg/CompressedImage", stamp + 20_000_000, w.compressed_image(img, stamp, topic))
+    return path
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory):
+    params = tmp_path_factory.mktemp("params") / "eval.yaml"
+    params.write_text(
+        "/**:\n  ros__parameters:\n"
+        f"    model:\n      checkpoint_path: {params.parent}\n"
+        f"    cameras:\n      topics: {json.dumps(CAM_TOPICS)}\n      indices: {CAM_INDICES}\n"
+        "      transports: [compressed, compressed]\n"
+        "    planning.rate_hz: 2.0\n"
+        "    images:\n      width: 24\n      height: 16\n")
+    return drive_settings(params, {})
+
+
+def test_params_file_uses_the_node_parameter_names(settings):
+    assert [c.topic for c in settings.cameras] == CAM_TOPICS
+    assert settings.frame_sync.camera_indices == (0, 1)
+    assert settings.planning_period_s == 0.5 and settings.image_size == (24, 16)
+
+
+def test_unknown_parameter_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("/**:\n  ros__parameters:\n    cameras.topix: [a]\n")
+    with pytest.raises(ValueError, match="cameras.topix"):
+        load_params_file(bad)
+
+
+def test_recorded_future_gives_zero_error(bag, settings):
+    oracle = FutureOracle()
+    result = evaluate_bag(bag, oracle, settings)
+    assert len(result.ticks) == int(DURATION_S * 2)
+    scored = result.scored
+    # t0 needs 1.5 s of history first and 6.4 s of recorded future after: about 4 s of ticks
+    assert 6 <= len(scored) <= 10
+    for tick in scored:
+        assert tick.score.min_ade < 1e-3 and tick.score.min_fde < 1e-3
+        assert tick.t0_ns <= tick.tick_ns  # the plan time never lies in the tick's future
+    skipped = result.skipped()
+    assert skipped[FUTURE_UNAVAILABLE] >= 8
+    assert sum(skipped.values()) + len(scored) == len(result.ticks)
+    # inputs are the node's: resized frames, camera-major by index, history ending at the origin
+    di = oracle.inputs[0]
+    assert di.images.shape == (2, 4, 16, 24, 3) and di.camera_indices == (0, 1)
+    np.testing.assert_allclose(di.ego_history_xyz[-1], 0.0, atol=1e-6)
+    np.testing.assert_allclose(di.ego_history_xyz[0, :2], [-RADIUS * math.sin(1.5 * SPEED / RADIUS), RADIUS * (1 - math.cos(1.5 * SPEED / RADIUS))], atol=1e-3)
+
+
+def test_one_metre_offset_gives_one_metre(bag, settings):
+    result = evaluate_bag(bag, FutureOracle(offset_m=1.0), settings, max_ticks=10)
+    assert len(result.ticks) == 10 and result.scored
+    for tick in result.scored:
+        assert tick.score.min_ade == pytest.approx(1.0, abs=1e-3)
+        assert tick.score.min_fde == pytest.approx(1.0, abs=1e-3)
+
+
+def test_report_files(bag, settings, tmp_path):
+    result = evaluate_bag(bag, FutureOracle(offset_m=0.5), settings)
+    cam = CameraProjection(fx=20.0, fy=20.0, cx=12.0, cy=8.0, width=24, height=16)
+    doc = write_report(tmp_path, [result], settings, ReportOptions(bev_plots=2, camera=cam), {"checkpoint": "oracle"})
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["summary"]["min_ade_mean"] == pytest.approx(0.5, abs=1e-3)
+    assert on_disk["summary"]["count"] == len(result.scored)
+    assert on_disk["skipped_share"] == pytest.approx(1 - len(result.scored) / len(result.ticks))
+    assert on_disk["skipped"][FUTURE_UNAVAILABLE] == result.skipped()[FUTURE_UNAVAILABLE]
+    ticks = on_disk["bags"][0]["ticks"]
+    assert len(ticks) == len(result.ticks) and any("skipped" in t for t in ticks)
+    assert {"bev_0.png", "bev_1.png", "camera_0.png"} <= set(doc["plots"])
+    for name in doc["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "report.md").read_text()
+    assert "min_ade_mean" in md and FUTURE_UNAVAILABLE in md
+
+
+def test_wrong_transport_is_named(bag, tmp_path):
+    wrong = drive_settings(None, {"model.checkpoint_path": str(tmp_path), "cameras.topics": CAM_TOPICS,
+                                  "cameras.indices": CAM_INDICES, "cameras.transports": ["raw", "compressed"]})
+    with pytest.raises(ValueError, match="cameras.transports"):
+        evaluate_bag(bag, FutureOracle(), wrong)
