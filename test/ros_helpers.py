@@ -27,6 +27,9 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 VENV_BIN = Path(sys.executable).parent
 MAX_DOMAIN_ID = 101  # ids above may collide with ephemeral ports on Linux
+# Fast DDS transports must match on both sides: a LARGE_DATA participant and a default one
+# discover each other but exchange no data. LARGE_DATA keeps big best-effort images intact.
+TRANSPORTS = "LARGE_DATA"
 
 
 def unique_domain_id() -> int:
@@ -39,7 +42,7 @@ def ros_env(domain_id: int, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         ROS_DOMAIN_ID=str(domain_id),
-        FASTDDS_BUILTIN_TRANSPORTS="LARGE_DATA",  # big best-effort messages survive (see docs)
+        FASTDDS_BUILTIN_TRANSPORTS=TRANSPORTS,
         PYTHONUNBUFFERED="1",
         RCUTILS_LOGGING_BUFFERED_STREAM="0",
         RCUTILS_COLORIZED_OUTPUT="0",
@@ -139,6 +142,7 @@ class RosSide:
     """The test process's own ROS participant: a context, a node and a spinning executor."""
 
     def __init__(self, domain_id: int, name: str = "test_side") -> None:
+        os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = TRANSPORTS  # read when the participant is created
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id)
         self.node = Node(name, context=self.context)

@@ -28,7 +28,7 @@ BUILD_MESSAGES = textwrap.dedent(
         samples = [Trajectory(poses=[pose(k, s) for k in range(64)]) for s in range(3)]
         return {
             "trajectory": samples[1],
-            "trajectory_set": TrajectorySet(header=header, dt_s=0.1, horizon_s=6.4, samples=samples,
+            "trajectory_set": TrajectorySet(header=header, dt_s=0.125, horizon_s=8.0, samples=samples,
                                             scores=[3.5, 1.25, 2.0], selected_index=1, selection_policy="medoid"),
             "reasoning": Reasoning(header=header, coc="Slow down: a pedestrian is crossing ahead.",
                                    sample_cocs=["a", "Slow down: a pedestrian is crossing ahead.", "ü ✓"],
@@ -101,7 +101,7 @@ def test_every_message_crosses_processes_intact(tmp_path: Path) -> None:
         got = collector.messages[0]
         assert got == expected[name], name  # generated __eq__ compares every field
 
-    # spot checks beyond __eq__: stamps, nesting, float32 arrays, unicode
+    # spot checks beyond __eq__ (float32 fields hold values exact in float32): stamps, nesting, float32 arrays, unicode
     trajectory_set = collectors["trajectory_set"].messages[0]
     assert trajectory_set.header.stamp.sec == 1712 and trajectory_set.header.stamp.nanosec == 345000000
     assert len(trajectory_set.samples) == 3 and all(len(s.poses) == 64 for s in trajectory_set.samples)

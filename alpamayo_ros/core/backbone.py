@@ -93,7 +93,8 @@ class Backbone(Protocol):
 
         Sampling masks every <i*> token and stops one step after all rows produced
         <|traj_future_start|> (upstream's rule). temperature <= 0 means greedy.
-        forced_ids teacher-forces the generated tokens (tests, parity work).
+        forced_ids teacher-forces the generated tokens (tests, parity work): it is every
+        row's complete generated sequence; nothing is sampled and all but its last token are fed.
         """
         ...
 
@@ -101,5 +102,20 @@ class Backbone(Protocol):
         """K/V of prompt + each row's generated tokens in one forward (no sampling).
 
         Used for the route-free nav-CFG cache and as the parity oracle.
+        """
+        ...
+
+    def generate(
+        self,
+        prompt: PromptInputs,
+        *,
+        num_samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> list[list[int]]:
+        """Plain sampling for VQA (upstream's generate_text): no <i*> mask, no trajectory stop
+        rule; a row ends with <|im_end|> (included) or at max_new_tokens. No K/V returned.
         """
         ...

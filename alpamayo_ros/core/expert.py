@@ -156,8 +156,9 @@ class MRotaryEmbedding(nn.Module):
         self.inv_freq = nn.Buffer(1.0 / (theta**exponent), persistent=False)
         self._inv_freq_fp32 = self.inv_freq.clone()  # master copy, see _apply
         axis = torch.zeros(head_dim // 2, dtype=torch.long)
-        for dim, start in ((1, 1), (2, 2)):  # h on j = 1, 4, ...; w on j = 2, 5, ...
-            axis[start : 3 * section[dim] : 3] = dim
+        for dim in (1, 2):  # h on j = 1, 4, 7, ...; w on j = 2, 5, 8, ... (within 3 * section)
+            stop = 3 * section[dim]
+            axis[dim:stop:3] = dim
         self.axis_of_freq = nn.Buffer(axis, persistent=False)
 
     def _apply(
@@ -377,7 +378,7 @@ class ActionExpertModel(nn.Module):
         logger.info(f"action expert: {count / 1e6:.2f} M parameters, {config.num_layers} layers")
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> torch.Tensor:
-        """Predict the flow velocity (N, 64, 2) for noisy actions x (N, 64, 2) at times t (N,).
+        """Predict the flow (N, 64, 2) for noisy actions x (N, 64, 2) at flow times t (N,).
 
         Free of host syncs, so the sampler loop can be captured in a CUDA graph as long as
         the cache tensors (incl. offsets, rope_deltas, valid) already live on the device.

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 TINY_BACKBONE_DIR = "backbone"
 RELEASED_BACKBONE = "nvidia/Cosmos-Reason2-8B"
-_SHARD_BYTES = 4 << 30  # bytes per shard for large checkpoints
+MAX_SHARD_BYTES = 4 << 30  # larger checkpoints are split into shards of at most this size
 
 #: Tiny Qwen3-VL: real token ids and patch geometry, small widths.
 TINY_BACKBONE: dict[str, Any] = {
@@ -232,22 +232,22 @@ def write_checkpoint(
     save_tokenizer(directory)
     config = AlpamayoConfig.from_checkpoint(directory)  # the written files must validate
     if weights:
-        _save_tensors(random_state_dict(config, seed=seed, dtype=dtype, device=device), directory)
+        save_tensors(random_state_dict(config, seed=seed, dtype=dtype, device=device), directory)
     logger.info("wrote %s checkpoint to %s", "full-size" if full_size else "tiny", directory)
     return directory
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """One model.safetensors, or shards + index when larger than one shard."""
+def save_tensors(tensors: dict[str, torch.Tensor], directory: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write one model.safetensors, or shards + index (HF naming) when larger than one shard."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if total <= _SHARD_BYTES:
+    if total <= max_shard_bytes:
         save_file({k: v.cpu() for k, v in tensors.items()}, str(directory / SINGLE_FILE), metadata={"format": "pt"})
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > _SHARD_BYTES:
+        if size and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor

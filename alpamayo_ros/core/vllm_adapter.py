@@ -458,9 +458,16 @@ def shutdown_engine(llm: LLM) -> None:
 
 
 def sampling_params(
-    *, temperature: float, top_p: float, max_tokens: int, seed: int, allowed_token_ids: list[int] | None
+    *,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int,
+    allowed_token_ids: list[int] | None = None,
+    stop_token_ids: list[int] | None = None,
 ) -> SamplingParams:
-    """One row's sampling: no EOS stop (our stop rule decides), ids only, cumulative outputs."""
+    """One row's sampling: ids only, cumulative outputs; only stop_token_ids end a row early
+    (kept in its ids), never the tokenizer's EOS."""
     return SamplingParams(
         n=1,
         temperature=temperature,
@@ -468,6 +475,7 @@ def sampling_params(
         max_tokens=max_tokens,
         seed=seed,
         allowed_token_ids=allowed_token_ids,
+        stop_token_ids=stop_token_ids,
         ignore_eos=True,
         detokenize=False,
         output_kind=RequestOutputKind.CUMULATIVE,
@@ -478,13 +486,18 @@ def sampling_params(
 class RequestResult:
     prompt_token_ids: list[int]  # as vLLM expanded them
     output_ids: list[int]  # sampled ids, in order
-    captured: CapturedKV
+    captured: CapturedKV | None  # None unless run with capture=True
 
 
 def run_requests(
-    llm: LLM, sink: CaptureSink, requests: list[tuple[dict[str, Any], SamplingParams]], stop_after: int | None
+    llm: LLM,
+    sink: CaptureSink,
+    requests: list[tuple[dict[str, Any], SamplingParams]],
+    *,
+    stop_after: int | None,
+    capture: bool,
 ) -> list[RequestResult]:
-    """Run requests to completion and return their ids and K/V, in request order.
+    """Run requests to completion and return their ids (and K/V), in request order.
 
     stop_after: a request is aborted as soon as one more token follows this id (upstream's
     stop rule); its K/V then ends at that id.
@@ -497,7 +510,8 @@ def run_requests(
     try:
         for ext, (prompt, params) in zip(external, requests):
             internal[ext] = engine.add_request(ext, prompt, params)
-            sink.wanted.add(internal[ext])
+            if capture:
+                sink.wanted.add(internal[ext])
         while engine.has_unfinished_requests():
             for output in engine.step():
                 ids = list(output.outputs[0].token_ids)
@@ -508,11 +522,14 @@ def run_requests(
                     seen[output.request_id] = (list(output.prompt_token_ids), ids)
     except BaseException:
         engine.abort_request([ext for ext in external if ext not in seen])
+        for rid in internal.values():
+            sink.captured.pop(rid, None)
         raise
     finally:
         for rid in internal.values():
             sink.wanted.discard(rid)
-    missing = [ext for ext in external if ext not in seen or internal[ext] not in sink.captured]
+    captured = {ext: sink.captured.pop(internal[ext], None) for ext in external}
+    missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
     if missing:
         raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
-    return [RequestResult(*seen[ext], sink.captured.pop(internal[ext])) for ext in external]
+    return [RequestResult(*seen[ext], captured[ext]) for ext in external]

@@ -14,7 +14,7 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import rclpy
 from rclpy.executors import ExternalShutdownException
@@ -39,10 +39,12 @@ def _matching_qos(endpoints: Sequence[Any]) -> QoSProfile:
 class Recorder:
     """Subscribes to topics as they appear and writes every message to one bag."""
 
-    def __init__(self, node: Node, writer: BagWriter, topics: Sequence[str]) -> None:
+    def __init__(self, node: Node, writer: BagWriter, topics: Sequence[str], clock: Callable[[], int] | None = None) -> None:
+        """clock: log time source in ns (default: the node's clock, /clock with use_sim_time)."""
         if not topics:
             raise ValueError("topics: at least one topic to record is required")
         self.node, self.writer = node, writer
+        self.clock = clock or (lambda: node.get_clock().now().nanoseconds)
         self.pending = {node.resolve_topic_name(t) for t in topics}
         self.counts: dict[str, int] = {}
         self._subs: list[Any] = []
@@ -64,9 +66,9 @@ class Recorder:
             self.pending.discard(topic)
             logger.info("record: %s [%s]", topic, msgtype)
 
-    def _callback(self, topic: str, msgtype: str):
+    def _callback(self, topic: str, msgtype: str) -> Callable[[bytes], None]:
         def write(raw: bytes) -> None:
-            self.writer.write_raw(topic, msgtype, self.node.get_clock().now().nanoseconds, raw)
+            self.writer.write_raw(topic, msgtype, self.clock(), raw)
             self.counts[topic] += 1
         return write
 

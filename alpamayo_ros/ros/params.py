@@ -60,12 +60,12 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     _spec("model.checkpoint_path", "", "Checkpoint directory (config.json, safetensors, tokenizer). Required."),
     _spec("model.backend", "hf", "Backbone backend: hf (transformers reference) or vllm (in-process engine).", choices=("hf", "vllm")),
     _spec("model.device", "cpu", "Torch device: cpu, cuda or cuda:N."),
-    _spec("model.dtype", "float32", "Model weights dtype.", choices=("float32", "bfloat16", "float16")),
+    _spec("model.dtype", "auto", "Model weights dtype; auto = the checkpoint's.", choices=("auto", "float32", "bfloat16", "float16")),
     _spec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),
-    _spec("vllm.dtype", "auto", "vLLM engine dtype (auto = model.dtype).", choices=("auto", "float32", "bfloat16", "float16")),
+    _spec("vllm.dtype", "auto", "vLLM engine dtype; auto = model.dtype.", choices=("auto", "float32", "bfloat16", "float16")),
     _spec("vllm.gpu_memory_utilization", 0.85, "Fraction of GPU memory the vLLM engine may reserve.", minimum=0.05, maximum=1.0),
     _spec("vllm.max_model_len", 8192, "vLLM context length (tokens); must hold prompt + reasoning.", minimum=1024, maximum=262144),
-    _spec("vllm.tensor_parallel_size", 1, "GPUs the vLLM backbone is split over.", minimum=1, maximum=8),
+    _spec("vllm.tensor_parallel_size", 1, "GPUs the vLLM backbone is split over (the in-process K/V capture supports 1).", minimum=1, maximum=8),
     _spec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
     _spec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
     # cameras
@@ -137,7 +137,7 @@ class DriveSettings:
     checkpoint_path: str
     backend: str
     device: str
-    dtype: str
+    dtype: str | None  # None: the checkpoint's dtype
     model_id: str
     backend_options: dict[str, Any]
     cameras: tuple[CameraInput, ...]
@@ -224,8 +224,11 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         max_stale_ns=_ns(v["odometry.max_stale_s"]),
         max_gap_ns=_ns(v["odometry.max_gap_s"]),
     )
+    model_dtype = None if v["model.dtype"] == "auto" else v["model.dtype"]
+    engine_dtype = model_dtype if v["vllm.dtype"] == "auto" else v["vllm.dtype"]
     backend_options = {
-        "dtype": v["model.dtype"] if v["vllm.dtype"] == "auto" else v["vllm.dtype"],
+        **({"dtype": engine_dtype} if engine_dtype else {}),
+        "max_images": len(cameras) * v["cameras.frames"],  # every frame of one request
         "gpu_memory_utilization": float(v["vllm.gpu_memory_utilization"]),
         "max_model_len": v["vllm.max_model_len"],
         "tensor_parallel_size": v["vllm.tensor_parallel_size"],
@@ -236,7 +239,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         checkpoint_path=checkpoint,
         backend=v["model.backend"],
         device=v["model.device"],
-        dtype=v["model.dtype"],
+        dtype=model_dtype,
         model_id=v["model.id"] or os.path.basename(os.path.normpath(checkpoint)),
         backend_options=backend_options if v["model.backend"] == "vllm" else {},
         cameras=cameras,

@@ -1,0 +1,268 @@
+"""One planning request end to end: DrivingInput -> Plan.
+
+preprocess frames -> render the prompt (history tokens in place) -> backbone rollout
+(reasoning + K/V) -> [route-free prefill for nav classifier-free guidance] -> expert flow
+matching over that K/V -> unicycle integration -> Plan. The backend ("hf" reference or
+"vllm") only changes who produces the reasoning and the K/V; everything else is shared.
+
+Shapes: upstream returns pred_xyz (B, num_traj_sets, num_traj_samples, 64, 3); one request is
+B = 1 with one set, so Plan.xyz (N, 64, 3) is upstream's [0, 0] and `plan.xyz[None, None]`
+is the upstream layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from . import flow_matching
+from .action_space import UnicycleActionSpace
+from .backbone import Backbone, PromptInputs
+from .checkpoint import load_backbone, load_expert, tensor_files
+from .config import AlpamayoConfig
+from .expert import ActionExpertModel
+from .preprocess import PreprocessedImages, preprocess_frames
+from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
+from .tokenizer import AlpamayoTokenizer, extract_between
+from .types import DrivingInput, Plan, SamplingSettings
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass
+class TextReply:
+    """A VQA answer: the text between the answer tokens ("" if the model never closed it)."""
+
+    answer: str
+    text: str  # everything generated, special tokens included
+    token_ids: list[int]
+
+
+class Pipeline:
+    """Alpamayo 1.5 inference on one backend; build it with from_checkpoint."""
+
+    def __init__(
+        self,
+        config: AlpamayoConfig,
+        tokenizer: AlpamayoTokenizer,
+        backbone: Backbone,
+        expert: ActionExpertModel,
+        *,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.backbone = backbone
+        self.expert = expert
+        self.device = device
+        self.action_space = UnicycleActionSpace(config.action_space)
+        self.history_tokenizer = config.history_tokenizer()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        backend: str = "hf",
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        backend_options: dict[str, Any] | None = None,
+    ) -> "Pipeline":
+        """Load config, tokenizer, expert and the chosen backbone from a checkpoint directory.
+
+        dtype defaults to the checkpoint's model_dtype. backend_options go to the vLLM
+        backend's EngineOptions (the HF backend takes none).
+        """
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        config = AlpamayoConfig.from_checkpoint(path)
+        device = torch.device(device)
+        dtype = _dtype(dtype or config.model_dtype)
+        tokenizer = AlpamayoTokenizer.from_checkpoint(path, config.traj_vocab_size)
+        files = tensor_files(path)
+        started = time.perf_counter()
+        expert = load_expert(config, dtype=dtype, device=device, files=files)
+        if backend == "hf":
+            if backend_options:
+                raise ValueError(f"backend_options: the hf backend takes none, got {sorted(backend_options)}")
+            from .backbone_hf import HFBackbone
+
+            backbone = HFBackbone(load_backbone(config, dtype=dtype, device=device, files=files), tokenizer, config)
+        else:
+            from .backbone_vllm import EngineOptions, VLLMBackbone  # vLLM is optional
+
+            options = EngineOptions(**{"dtype": str(dtype).removeprefix("torch."), **(backend_options or {})})
+            backbone = VLLMBackbone(config, tokenizer.ids, options)
+        logger.info("loaded %s (%s backend, %s, %s) in %.1f s", path, backend, device, dtype, time.perf_counter() - started)
+        return cls(config, tokenizer, backbone, expert, device=device)
+
+    # -- inputs --------------------------------------------------------------------------
+
+    def preprocess(self, inputs: DrivingInput) -> PreprocessedImages:
+        """All frames, camera-major then oldest first, as vision-tower inputs on the device."""
+        cameras, frames = inputs.images.shape[:2]
+        flat = inputs.images.reshape(cameras * frames, *inputs.images.shape[2:])
+        return preprocess_frames(flat, self.config.vision, self.device)
+
+    def history_ids(self, inputs: DrivingInput) -> list[int]:
+        """The 48 history token ids of the ego history."""
+        bins = self.history_tokenizer.encode(torch.from_numpy(inputs.ego_history_xyz).float())
+        return (bins + self.config.hist_token_start_idx).tolist()
+
+    def driving_prompt(self, inputs: DrivingInput, images: PreprocessedImages) -> PromptInputs:
+        """Render the trajectory prompt for inputs (with its route text, if any)."""
+        ids = render_driving_prompt(
+            self.tokenizer,
+            camera_indices=inputs.camera_indices,
+            frames_per_camera=inputs.images.shape[1],
+            tokens_per_image=images.tokens_per_image,
+            history_ids=self.history_ids(inputs),
+            route_text=inputs.route_text,
+        )
+        return build_prompt_inputs(ids, images, image_token_id=self.tokenizer.ids.image_pad)
+
+    # -- requests ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def plan(
+        self,
+        inputs: DrivingInput,
+        settings: SamplingSettings = SamplingSettings(),
+        *,
+        forced_coc_ids: Sequence[int] | None = None,
+        init_noise: torch.Tensor | None = None,
+    ) -> Plan:
+        """Reason, then sample settings.num_samples trajectories.
+
+        forced_coc_ids: reasoning text ids to teacher-force instead of sampling; the rollout
+            becomes them + <|cot_end|><|traj_future_start|> + one never-fed token.
+        init_noise: standard-normal flow-matching start (num_samples, 64, 2) instead of a
+            draw from the seeded generator.
+        One seeded generator drives reasoning sampling, then the flow noise (upstream's order).
+        """
+        timings: dict[str, float] = {}
+        total_start = time.perf_counter()
+        with self._timed(timings, "preprocess"):
+            images = self.preprocess(inputs)
+        with self._timed(timings, "prompt"):
+            prompt = self.driving_prompt(inputs, images)
+        generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        with self._timed(timings, "backbone"):
+            rollout = self.backbone.rollout(
+                prompt,
+                num_samples=settings.num_samples,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                max_new_tokens=settings.max_reasoning_tokens,
+                generator=generator,
+                forced_ids=self._forced_rollout(forced_coc_ids),
+            )
+        guided = settings.cfg_weight is not None and inputs.route_text is not None
+        if settings.cfg_weight is not None and not guided:
+            logger.debug("cfg_weight set but the input has no route_text: plain sampling")
+        uncond_cache = None
+        if guided:
+            with self._timed(timings, "cfg_prefill"):
+                free_ids = remove_route_span(prompt.input_ids.tolist(), self.tokenizer)
+                free_prompt = build_prompt_inputs(free_ids, images, image_token_id=self.tokenizer.ids.image_pad)
+                uncond_cache = self.backbone.prefill(free_prompt, rollout.generated_ids)
+        with self._timed(timings, "expert"):
+            cache = rollout.cache
+            action = flow_matching.sample(
+                lambda x, t: self.expert.velocity(x, t, cache),
+                batch=settings.num_samples,
+                steps=settings.flow_steps,
+                noise_temperature=settings.noise_temperature,
+                generator=generator,
+                init_noise=init_noise,
+                uncond_velocity_fn=(lambda x, t: self.expert.velocity(x, t, uncond_cache)) if guided else None,
+                guidance_weight=settings.cfg_weight if guided else 1.0,
+                device=self.device,
+            )
+        with self._timed(timings, "action"):
+            rows = settings.num_samples
+            hist_xyz = torch.from_numpy(inputs.ego_history_xyz).to(self.device).expand(rows, -1, -1)
+            hist_rot = torch.from_numpy(inputs.ego_history_rot).to(self.device).expand(rows, -1, -1, -1)
+            xyz, rot = self.action_space.action_to_traj(action.float(), hist_xyz, hist_rot)
+        timings["total"] = (time.perf_counter() - total_start) * 1e3
+        return Plan(
+            xyz=xyz.float().cpu().numpy(),
+            rot=rot.float().cpu().numpy(),
+            coc=[extract_between(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
+                 for row in rollout.generated_ids],
+            generated_ids=[list(row) for row in rollout.generated_ids],
+            t0_ns=inputs.t0_ns,
+            backend=self.backbone.name,
+            timings_ms=timings,
+        )
+
+    @torch.inference_mode()
+    def generate_text(
+        self,
+        inputs: DrivingInput,
+        question: str,
+        settings: SamplingSettings = SamplingSettings(),
+        *,
+        max_new_tokens: int = 256,
+    ) -> list[TextReply]:
+        """Answer a question about the scene (upstream's VQA mode), one reply per sample.
+
+        Uses settings' temperature, top_p, num_samples and seed; the ego history is not shown.
+        """
+        images = self.preprocess(inputs)
+        ids = render_vqa_prompt(
+            self.tokenizer,
+            camera_indices=inputs.camera_indices,
+            frames_per_camera=inputs.images.shape[1],
+            tokens_per_image=images.tokens_per_image,
+            question=question,
+        )
+        prompt = build_prompt_inputs(ids, images, image_token_id=self.tokenizer.ids.image_pad)
+        rows = self.backbone.generate(
+            prompt,
+            num_samples=settings.num_samples,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            max_new_tokens=max_new_tokens,
+            generator=torch.Generator(device=self.device).manual_seed(settings.seed),
+        )
+        answer_start = self.tokenizer.ids.special["answer_start"]
+        replies = []
+        for row in rows:
+            text = self.tokenizer.decode(row)
+            answer = extract_between(self.tokenizer.decode([answer_start, *row]), "answer")
+            replies.append(TextReply(answer=answer, text=text, token_ids=list(row)))
+        return replies
+
+    def _forced_rollout(self, coc_ids: Sequence[int] | None) -> list[int] | None:
+        if coc_ids is None:
+            return None
+        special = self.tokenizer.ids.special
+        # the last token is the one upstream samples after the stop token and never feeds
+        return [*coc_ids, special["cot_end"], special["traj_future_start"], self.tokenizer.ids.pad]
+
+    @contextmanager
+    def _timed(self, timings: dict[str, float], stage: str) -> Iterator[None]:
+        """Wall time of a stage in ms; waits for the device so GPU work is counted where it ran."""
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timings[stage] = (time.perf_counter() - start) * 1e3
+
+
+def _dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating torch dtype name, got {value!r}")
+    return dtype

@@ -1,0 +1,255 @@
+"""`alpamayo-demo [--out DIR]`: a closed-loop drive on a synthetic road, recorded and evaluated.
+
+The demo process renders the road for a few small cameras, publishes them with odometry and
+/clock, and moves the ego vehicle along the plans the drive node (its console script, a
+separate process, on simulated time) publishes. Simulated time waits for the node: it runs
+at most real time, and never more than one planning period plus a little ahead of the
+newest plan, so a slow CPU model yields the same drive as a fast GPU one. Everything is
+recorded to MCAP; afterwards the evaluator re-plans at the node's t0s from the recording
+(the node's input code, the same checkpoint and seed), scores the plans against the driven
+path and checks that it reproduces the node's plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
+from nav_msgs.msg import Odometry
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rosgraph_msgs.msg import Clock
+from sensor_msgs.msg import CompressedImage
+
+from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
+from alpamayo_ros.eval import report
+from alpamayo_ros.eval.bags import BagWriter
+from alpamayo_ros.eval.evaluate import (RecordedPlans, ReportOptions, drive_settings, evaluate_bag, plan_differences,
+                                        write_report)
+from alpamayo_ros.eval.metrics import summarize
+from alpamayo_ros.eval.record import Recorder
+from alpamayo_ros.eval.scene import PinholeCamera, Pose2D, Renderer, Road, Vehicle, default_rig
+from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros_msgs.msg import TrajectorySet
+
+logger = logging.getLogger(__name__)
+
+DISCLAIMER = (
+    "A tiny random model drives nonsense: this demo shows the plumbing (cameras, odometry, node, "
+    "recording, evaluation), not driving skill. Real weights plug in through the checkpoint path: "
+    "alpamayo-demo --checkpoint /path/to/Alpamayo-1.5-10B (and model.device cuda on a GPU)."
+)
+NODE = "alpamayo_drive"
+TRAJECTORIES = f"/{NODE}/output/trajectories"
+NODE_OUTPUTS = [TRAJECTORIES, f"/{NODE}/output/path", f"/{NODE}/output/reasoning", f"/{NODE}/output/timings",
+                f"/{NODE}/debug/markers", "/diagnostics"]
+ODOM = "/odom"
+NS = 1_000_000_000
+STEP_NS = 20_000_000  # odometry at 50 Hz
+FRAME_EVERY = 5  # camera frames at 10 Hz
+SIM_START_NS = 1_000 * NS  # simulated time starts here (0 would look like an unset clock)
+
+
+@dataclass
+class DemoOptions:
+    out: Path
+    checkpoint: Path | None = None
+    duration_s: float = 20.0  # simulated seconds of driving after the node is ready
+    rate_hz: float = 1.0  # planning rate
+    width: int = 256
+    height: int = 144
+    max_reasoning_tokens: int = 8
+    speed_mps: float = 8.0
+    nudge_s: float = 20.0  # wall seconds to wait for a plan before moving on without it
+    ready_timeout_s: float = 300.0
+    extra_params: dict[str, Any] = field(default_factory=dict)
+
+
+def camera_topic(cam: PinholeCamera) -> str:
+    return f"/demo/{cam.name}/image/compressed"
+
+
+def node_parameters(opts: DemoOptions, rig: Sequence[PinholeCamera], checkpoint: Path) -> dict[str, Any]:
+    """The drive node's parameters for this scene (written to drive.yaml, reused by the evaluator)."""
+    return {
+        "use_sim_time": True,
+        "model.checkpoint_path": str(checkpoint),
+        "cameras.topics": [camera_topic(c) for c in rig],
+        "cameras.indices": [c.index for c in rig],
+        "cameras.transports": ["compressed"] * len(rig),
+        "images.width": opts.width,
+        "images.height": opts.height,
+        "odometry.topic": ODOM,
+        "planning.rate_hz": opts.rate_hz,
+        "sampling.max_reasoning_tokens": opts.max_reasoning_tokens,
+        "sampling.num_samples": 1,
+        **opts.extra_params,
+    }
+
+
+class PlanFollower:
+    """Maps the newest plan (t0 ego frame) into the world with the logged pose at t0."""
+
+    def __init__(self) -> None:
+        self.poses: dict[int, Pose2D] = {}
+        self.plan_t0: int | None = None
+        self.plan_world: np.ndarray | None = None  # (65, 2): pose at t0, then the 64 waypoints
+        self.world_plans: list[np.ndarray] = []
+
+    def log_pose(self, t_ns: int, pose: Pose2D) -> None:
+        self.poses[t_ns] = Pose2D(pose.x, pose.y, pose.yaw)
+
+    def accept(self, msg: TrajectorySet) -> None:
+        t0 = msg.header.stamp.sec * NS + msg.header.stamp.nanosec
+        if not msg.samples or (self.plan_t0 is not None and t0 <= self.plan_t0):
+            return
+        pose = self.poses.get(t0) or self.poses[min(self.poses, key=lambda t: abs(t - t0))]
+        sample = msg.samples[max(msg.selected_index, 0)]
+        local = np.array([[p.position.x, p.position.y] for p in sample.poses])
+        self.plan_t0 = t0
+        self.plan_world = np.vstack([pose.xy, pose.to_world(local)])
+        self.world_plans.append(self.plan_world)
+
+    def target(self, t_ns: int) -> np.ndarray | None:
+        """Planned world position at time t_ns, or None when no plan covers it."""
+        if self.plan_world is None or self.plan_t0 is None:
+            return None
+        tau = (t_ns - self.plan_t0) / NS
+        times = np.arange(NUM_WAYPOINTS + 1) * WAYPOINT_DT_S
+        if tau < 0 or tau > times[-1]:
+            return None
+        return np.array([np.interp(tau, times, self.plan_world[:, 0]), np.interp(tau, times, self.plan_world[:, 1])])
+
+
+class DemoScene:
+    """The demo's ROS side: publishes the world, listens to the node, records everything."""
+
+    def __init__(self, opts: DemoOptions, rig: Sequence[PinholeCamera], writer: BagWriter) -> None:
+        self.opts, self.rig = opts, rig
+        self.road = Road.winding()
+        self.renderer = Renderer(self.road, tuple(rig))
+        self.vehicle = Vehicle.on_road(self.road, speed=opts.speed_mps)
+        self.vehicle.min_speed = 2.0
+        self.follower = PlanFollower()
+        self.sim_ns = SIM_START_NS
+        self.node = rclpy.create_node("alpamayo_demo_scene")
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.camera_pubs = {c.index: self.node.create_publisher(CompressedImage, camera_topic(c), reliable) for c in rig}
+        self.odom_pub = self.node.create_publisher(Odometry, ODOM, reliable)
+        self.clock_pub = self.node.create_publisher(Clock, "/clock", 10)
+        self.node.create_subscription(TrajectorySet, TRAJECTORIES, self.follower.accept, reliable)
+        self.ready = False
+        self.node_state = "not started"
+        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
+        self.recorder = Recorder(self.node, writer, [camera_topic(c) for c in rig] + [ODOM] + NODE_OUTPUTS,
+                                 clock=lambda: self.sim_ns)
+        self.writer = writer
+        self.executor = SingleThreadedExecutor()
+        self.executor.add_node(self.node)
+        self.plans_waited_out = 0
+
+    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
+        for status in msg.status:
+            values = {kv.key: kv.value for kv in status.values}
+            if "state" in values:
+                self.node_state = values["state"]
+                self.ready = values["state"] == "ready"
+
+    def spin(self, seconds: float) -> None:
+        """Process callbacks for about `seconds` of wall time."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self.executor.spin_once(timeout_sec=max(0.0, min(0.01, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                return
+
+    def publish_clock(self) -> None:
+        msg = Clock()
+        msg.clock = ns_to_stamp(self.sim_ns)
+        self.clock_pub.publish(msg)
+
+    def publish_state(self, step: int, yaw_rate: float) -> None:
+        pose, stamp = self.vehicle.pose, ns_to_stamp(self.sim_ns)
+        odom = Odometry()
+        odom.header.stamp, odom.header.frame_id, odom.child_frame_id = stamp, "odom", "base_link"
+        odom.pose.pose.position.x, odom.pose.pose.position.y = pose.x, pose.y
+        odom.pose.pose.orientation.z, odom.pose.pose.orientation.w = math.sin(pose.yaw / 2), math.cos(pose.yaw / 2)
+        odom.twist.twist.linear.x, odom.twist.twist.angular.z = self.vehicle.speed, yaw_rate
+        self.odom_pub.publish(odom)
+        if step % FRAME_EVERY == 0:
+            for index, image in self.renderer.render_rig(pose).items():
+                msg = CompressedImage()
+                msg.header.stamp, msg.header.frame_id, msg.format = stamp, CAMERAS[index][0], "jpeg"
+                msg.data = _jpeg(image)
+                self.camera_pubs[index].publish(msg)
+
+    def wait_until_ready(self, node_process: subprocess.Popen) -> None:
+        """Advance the clock in real time (no sensors) until the node reports ready."""
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        while not self.ready:
+            if node_process.poll() is not None:
+                raise RuntimeError(f"drive node exited with code {node_process.returncode} before it was ready")
+            if time.monotonic() > deadline or self.node_state == "failed":
+                raise RuntimeError(f"drive node not ready after {self.opts.ready_timeout_s:.0f} s (state: {self.node_state})")
+            self.sim_ns += 100_000_000
+            self.publish_clock()
+            self.spin(0.1)
+
+    def drive(self, node_process: subprocess.Popen) -> None:
+        """The closed loop: step the world, publish, follow plans, wait for a lagging node."""
+        period_ns = int(NS / self.opts.rate_hz)
+        lead_ns = period_ns + 300_000_000
+        start_ns = self.sim_ns
+        first_plan_due = start_ns + 2 * NS  # 1.5 s of history first
+        wall0 = time.monotonic()
+        dt = STEP_NS / NS
+        step = 0
+        while self.sim_ns - start_ns < self.opts.duration_s * NS:
+            if node_process.poll() is not None:
+                raise RuntimeError(f"drive node exited with code {node_process.returncode} while driving")
+            newest = self.follower.plan_t0 if self.follower.plan_t0 is not None else first_plan_due - lead_ns
+            if self.sim_ns - newest > lead_ns:  # the node is behind: give it time to plan
+                waited = time.monotonic()
+                before = self.follower.plan_t0
+                while self.follower.plan_t0 == before and time.monotonic() - waited < self.opts.nudge_s:
+                    self.spin(0.05)
+                if self.follower.plan_t0 == before:
+                    self.plans_waited_out += 1
+                wall0 = time.monotonic() - (self.sim_ns - start_ns) / NS  # do not sprint to catch up
+            yaw_before = self.vehicle.pose.yaw
+            target = self.follower.target(self.sim_ns + STEP_NS)
+            if target is None:
+                self.vehicle.cruise(dt)
+            else:
+                self.vehicle.follow(target, dt)
+            self.sim_ns += STEP_NS
+            step += 1
+            self.follower.log_pose(self.sim_ns, self.vehicle.pose)
+            self.publish_clock()
+            self.publish_state(step, (self.vehicle.pose.yaw - yaw_before) / dt)
+            ahead = (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)
+            self.spin(max(0.0, ahead))  # at most real time
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=1.0)
+        self.node.destroy_node()
+
+
+def _jpeg(rgb: np.ndarray) -> bytes:
+    import cv2
+
+    ok, data = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 90])
+    if not ok:
+        raise ValueError(f"rgb: JPEG encoding failed for shape {rgb.shape}")
+    return data.tobytes()

@@ -1,0 +1,56 @@
+"""Session fixtures shared by the whole suite: one tiny random checkpoint and driving inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from alpamayo_ros.core.types import NUM_HISTORY_POSES, DrivingInput
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Alpamayo checkpoint in the upstream layout, written once per session (fp32).
+
+    Read-only for tests: copy it before changing anything in it.
+    """
+    from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def make_driving_input() -> Callable[..., DrivingInput]:
+    """Factory for a synthetic DrivingInput: random frames, ego driving straight at speed_mps."""
+
+    def make(
+        *,
+        camera_indices: tuple[int, ...] = (1,),
+        frames: int = 2,
+        height: int = 320,
+        width: int = 576,
+        speed_mps: float = 8.0,
+        route_text: str | None = None,
+        seed: int = 0,
+    ) -> DrivingInput:
+        rng = np.random.default_rng(seed)
+        images = rng.integers(0, 256, (len(camera_indices), frames, height, width, 3), dtype=np.uint8)
+        t0_ns = 10_000_000_000
+        stamps = t0_ns - np.arange(frames - 1, -1, -1, dtype=np.int64) * 100_000_000
+        history_xyz = np.zeros((NUM_HISTORY_POSES, 3), dtype=np.float32)
+        history_xyz[:, 0] = -speed_mps * 0.1 * np.arange(NUM_HISTORY_POSES - 1, -1, -1)
+        history_rot = np.tile(np.eye(3, dtype=np.float32), (NUM_HISTORY_POSES, 1, 1))
+        return DrivingInput(
+            images=images,
+            camera_indices=camera_indices,
+            frame_stamps_ns=np.tile(stamps, (len(camera_indices), 1)),
+            t0_ns=t0_ns,
+            ego_history_xyz=history_xyz,
+            ego_history_rot=history_rot,
+            route_text=route_text,
+        )
+
+    return make
