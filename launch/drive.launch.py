@@ -114,6 +114,12 @@ def generate_launch_description():
             "ROS 2 launch is not installed (PyPI wheels); run "
             "`alpamayo_drive --ros-args --params-file config/drive.yaml -p model.checkpoint_path:=...` instead"
         )
-    declared = [DeclareLaunchArgument(name, default_value="", description=f"Overrides parameter {parameter}.") for name, parameter in PARAMETER_ARGUMENTS.items()]
-    declared += [DeclareLaunchArgument(name, default_value=default, description=text) for name, (default, text) in LAUNCH_ARGUMENTS.items()]
+    declared = [
+        DeclareLaunchArgument(name, default_value="", description=f"Overrides parameter {parameter}.")
+        for name, parameter in PARAMETER_ARGUMENTS.items()
+    ]
+    declared += [
+        DeclareLaunchArgument(name, default_value=default, description=text)
+        for name, (default, text) in LAUNCH_ARGUMENTS.items()
+    ]
     return LaunchDescription([*declared, OpaqueFunction(function=_launch_nodes)])

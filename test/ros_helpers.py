@@ -8,18 +8,26 @@ The test side runs an rclpy context with a background executor thread.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import cv2
+import numpy as np
 import rclpy
 import yaml
+from builtin_interfaces.msg import Time
 from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
@@ -128,6 +136,11 @@ class Collector:
         with self._lock:
             return [msg for _, msg in self._items]
 
+    def timed(self) -> list[tuple[float, Any]]:
+        """(time.monotonic() at receipt, message) pairs."""
+        with self._lock:
+            return list(self._items)
+
     def since(self, t_monotonic: float) -> list[Any]:
         """Messages received at or after a time.monotonic() value."""
         with self._lock:
@@ -170,3 +183,206 @@ class RosSide:
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
         self._thread.join(timeout=2.0)
+
+
+def tiny_checkpoint(cache_root: Path) -> Path:
+    """A tiny random checkpoint, written once per version of the code that writes it, reused.
+
+    Written by the `alpamayo-make-checkpoint` console script into a staging folder and
+    renamed into place, so parallel test processes never see half a checkpoint.
+    """
+    core = Path(importlib.util.find_spec("alpamayo_ros.core").origin).parent
+    digest = hashlib.sha256()
+    for name in ("tiny_checkpoint.py", "checkpoint.py", "config.py", "tokenizer.py"):
+        digest.update((core / name).read_bytes())
+    target = cache_root / f"tiny-{digest.hexdigest()[:12]}"
+    if (target / "config.json").exists():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = cache_root / f".staging-{os.getpid()}-{time.time_ns()}"
+    subprocess.run(
+        [str(VENV_BIN / "alpamayo-make-checkpoint"), str(staging)], check=True, capture_output=True, timeout=300
+    )
+    try:
+        staging.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+@dataclass
+class CameraFeed:
+    """One synthetic camera of a SensorRig and the faults it can be told to produce.
+
+    fault: None | "encoding" (raw: unsupported yuv422) | "length" (raw: data shorter than
+    step*height) | "truncated_jpeg" (compressed: second half cut off) | "garbage" (compressed).
+    """
+
+    index: int
+    topic: str
+    transport: str  # raw | compressed
+    shape: tuple[int, int] = (48, 64)  # (height, width)
+    stamp_offset_ns: int = 0
+    stopped: bool = False
+    fault: str | None = None
+    stamps_ns: list[int] = field(default_factory=list)  # every stamp published
+
+
+class SensorRig:
+    """Publishes cameras (10 Hz), odometry (50 Hz) and a route (1 Hz) from a background thread.
+
+    The ego drives straight at speed_mps along heading_rad from (x0, y0) in frame "odom".
+    Stamps come from wall time, or from a simulated clock that the rig also publishes on
+    /clock (sim_start_s given), for nodes running with use_sim_time.
+    """
+
+    CAMERA_PERIOD_NS = 100_000_000
+    ODOMETRY_PERIOD_NS = 20_000_000
+    CLOCK_PERIOD_NS = 10_000_000
+
+    def __init__(
+        self,
+        side: RosSide,
+        cameras: list[CameraFeed],
+        *,
+        odometry_topic: str,
+        route_topic: str | None = None,
+        route_text: str = "Turn right in 30m",
+        sim_start_s: float | None = None,
+        speed_mps: float = 5.0,
+        heading_rad: float = 0.3,
+        origin_xy: tuple[float, float] = (100.0, -3.0),
+    ) -> None:
+        from nav_msgs.msg import Odometry
+        from rosgraph_msgs.msg import Clock
+        from sensor_msgs.msg import CompressedImage, Image
+        from std_msgs.msg import String
+
+        self.cameras = cameras
+        self.speed_mps, self.heading_rad, self.origin_xy = speed_mps, heading_rad, origin_xy
+        self.route_text = route_text
+        self.odometry_stopped = False
+        self.odometry_nan_once = False
+        self.stamp_offset_ns = 0  # added to every stamp (time going backwards: negative)
+        self._sim_start_ns = None if sim_start_s is None else int(sim_start_s * 1e9)
+        self._sim_jump_ns = 0
+        self._mono_start_ns = time.monotonic_ns()
+        self._start_ns = self.now_ns()
+        sensor_qos = QoSProfile(depth=5, reliability=ReliabilityPolicy.BEST_EFFORT)
+        node = side.node
+        self._image_types = {"raw": Image, "compressed": CompressedImage}
+        self._camera_pubs = {
+            c.index: node.create_publisher(self._image_types[c.transport], c.topic, sensor_qos) for c in cameras
+        }
+        self._odometry_pub = node.create_publisher(
+            Odometry, odometry_topic, QoSProfile(depth=20, reliability=ReliabilityPolicy.BEST_EFFORT)
+        )
+        self._route_pub = node.create_publisher(String, route_topic, 1) if route_topic else None
+        self._clock_pub = node.create_publisher(Clock, "/clock", 10) if self._sim_start_ns is not None else None
+        self._odometry_type, self._clock_type, self._string_type = Odometry, Clock, String
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    # -- time and ground truth --
+
+    def now_ns(self) -> int:
+        """The rig's clock: wall time, or the simulated time it publishes on /clock."""
+        if self._sim_start_ns is None:
+            return time.time_ns()
+        return self._sim_start_ns + time.monotonic_ns() - self._mono_start_ns + self._sim_jump_ns
+
+    def clock_at(self, t_monotonic: float) -> int:
+        """The rig's clock at an earlier time.monotonic() value (e.g. a message's receipt)."""
+        return self.now_ns() - (time.monotonic_ns() - int(t_monotonic * 1e9))
+
+    def jump_clock(self, delta_ns: int) -> None:
+        """Move the simulated clock (negative: a bag loop)."""
+        self._sim_jump_ns += delta_ns
+
+    def ego_xy(self, stamp_ns: int) -> tuple[float, float]:
+        """Ground-truth ego position in the odom frame at a stamp."""
+        distance = self.speed_mps * (stamp_ns - self._start_ns) / 1e9
+        return (
+            self.origin_xy[0] + distance * math.cos(self.heading_rad),
+            self.origin_xy[1] + distance * math.sin(self.heading_rad),
+        )
+
+    # -- messages --
+
+    def _image_message(self, camera: CameraFeed, stamp_ns: int):
+        from std_msgs.msg import Header
+
+        height, width = camera.shape
+        pixels = np.full((height, width, 3), (camera.index * 40 + stamp_ns // 100_000_000) % 256, dtype=np.uint8)
+        pixels[:, : width // 2, 1] = 200  # some structure, so JPEG has work to do
+        header = Header(
+            stamp=Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000),
+            frame_id=f"camera_{camera.index}",
+        )
+        if camera.transport == "raw":
+            data = pixels.tobytes()
+            encoding = "yuv422" if camera.fault == "encoding" else "rgb8"
+            if camera.fault == "length":
+                data = data[:-7]
+            return self._image_types["raw"](
+                header=header, height=height, width=width, encoding=encoding, step=width * 3, data=data
+            )
+        ok, encoded = cv2.imencode(".jpg", cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR))
+        data = encoded.tobytes()
+        if camera.fault == "truncated_jpeg":
+            data = data[: len(data) // 2]
+        elif camera.fault == "garbage":
+            data = bytes(range(256)) * 4
+        return self._image_types["compressed"](header=header, format="jpeg", data=data)
+
+    def _odometry_message(self, stamp_ns: int):
+        from geometry_msgs.msg import Quaternion
+
+        msg = self._odometry_type()
+        msg.header.stamp = Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000)
+        msg.header.frame_id, msg.child_frame_id = "odom", "base_link"
+        x, y = self.ego_xy(stamp_ns)
+        if self.odometry_nan_once:
+            self.odometry_nan_once = False
+            x = math.nan
+        msg.pose.pose.position.x, msg.pose.pose.position.y = x, y
+        msg.pose.pose.orientation = Quaternion(z=math.sin(self.heading_rad / 2), w=math.cos(self.heading_rad / 2))
+        msg.twist.twist.linear.x = self.speed_mps
+        return msg
+
+    # -- thread --
+
+    def start(self) -> "SensorRig":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        next_camera = next_odometry = next_clock = next_route = time.monotonic_ns()
+        while not self._stop.is_set():
+            mono = time.monotonic_ns()
+            now = self.now_ns()
+            if self._clock_pub is not None and mono >= next_clock:
+                self._clock_pub.publish(
+                    self._clock_type(clock=Time(sec=now // 1_000_000_000, nanosec=now % 1_000_000_000))
+                )
+                next_clock = mono + self.CLOCK_PERIOD_NS
+            if mono >= next_odometry:
+                if not self.odometry_stopped:
+                    self._odometry_pub.publish(self._odometry_message(now + self.stamp_offset_ns))
+                next_odometry += self.ODOMETRY_PERIOD_NS
+            if mono >= next_camera:
+                for camera in self.cameras:
+                    if camera.stopped:
+                        continue
+                    stamp = now + self.stamp_offset_ns + camera.stamp_offset_ns + camera.index * 2_000_000
+                    self._camera_pubs[camera.index].publish(self._image_message(camera, stamp))
+                    camera.stamps_ns.append(stamp)
+                next_camera += self.CAMERA_PERIOD_NS
+            if self._route_pub is not None and mono >= next_route:
+                self._route_pub.publish(self._string_type(data=self.route_text))
+                next_route = mono + 1_000_000_000
+            time.sleep(0.002)

@@ -17,7 +17,9 @@ def yaw_quat(yaw: float) -> np.ndarray:
     return np.array([0.0, 0.0, math.sin(yaw / 2), math.cos(yaw / 2)])
 
 
-def circle_drive(buffer: OdometryBuffer, start_ms: int, stop_ms: int, period_ms: int, origin=(500.0, -20.0, 3.0)) -> None:
+def circle_drive(
+    buffer: OdometryBuffer, start_ms: int, stop_ms: int, period_ms: int, origin=(500.0, -20.0, 3.0)
+) -> None:
     """Constant speed 10 m/s on a circle of radius 50 m (yaw rate 0.2 rad/s), z constant."""
     for t in range(start_ms, stop_ms + 1, period_ms):
         yaw = 0.2 * t / 1000
@@ -61,7 +63,9 @@ def test_interpolated_history_matches_the_trajectory_in_t0_frame(period_ms: int)
     assert result.xyz[0, 0] < -14.0  # 1.5 s ago at 10 m/s: behind the car
     yaw_t0 = 0.2 * t0_ms / 1000
     np.testing.assert_allclose(result.rot_t0, quaternion_to_matrix(yaw_quat(yaw_t0)), atol=1e-5)
-    np.testing.assert_allclose(result.xyz_t0, [500 + 50 * math.sin(yaw_t0), -20 + 50 * (1 - math.cos(yaw_t0)), 3.0], atol=0.015)
+    np.testing.assert_allclose(
+        result.xyz_t0, [500 + 50 * math.sin(yaw_t0), -20 + 50 * (1 - math.cos(yaw_t0)), 3.0], atol=0.015
+    )
 
 
 def test_t0_slightly_after_newest_sample_is_extrapolated() -> None:
@@ -151,7 +155,12 @@ def test_buffer_is_bounded() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"num_poses": 1}, "num_poses"), ({"dt_ns": 0}, "dt_ns"), ({"max_gap_ns": 0}, "max_gap_ns"), ({"max_stale_ns": -1}, "max_stale_ns")],
+    [
+        ({"num_poses": 1}, "num_poses"),
+        ({"dt_ns": 0}, "dt_ns"),
+        ({"max_gap_ns": 0}, "max_gap_ns"),
+        ({"max_stale_ns": -1}, "max_stale_ns"),
+    ],
 )
 def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

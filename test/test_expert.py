@@ -318,3 +318,123 @@ def test_bad_config_and_inputs_are_named():
     short = prefix_cache(cache.keys[:1], cache.values[:1], [8, 8], [0, 0])
     with pytest.raises(ValueError, match="cache layers"):
         model.velocity(x, t, short)
+
+
+# --- prepared state (the fast path): same numbers as velocity(x, t, cache) ---------------
+
+
+def test_prepared_state_without_mask_for_one_full_sample():
+    # 1 sample that stopped last (offset == T), no padding: nothing is masked, so on CUDA the
+    # attention runs as plain flash; K/V buffers are exactly T + 64 columns of head_dim.
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval()
+    cache = random_cache(1, 30, seed=1, offsets=[30], deltas=[-5])
+    with torch.no_grad():
+        state = model.prepare(cache)
+        assert state.query_pad is None
+        assert tuple(state.keys[0].shape) == (1, KV_HEADS, 30 + W, HEAD_DIM)
+        for seed in (2, 3):  # the state is reused: each call rewrites only the action columns
+            x, t = noisy_action(1, seed)
+            expected = model.velocity(x, t, cache)
+            assert (model.velocity_prepared(x, t, state) - expected).abs().max() < 1e-5
+
+
+def test_prepared_state_matches_reference_with_offsets_and_invalid_columns():
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval()
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[1, :5] = False
+    cache = random_cache(3, 40, seed=1, offsets=[40, 31, 22], deltas=[0, 3, -7], valid=valid)
+    snapshot = [k.clone() for k in cache.keys] + [v.clone() for v in cache.values]
+    with torch.no_grad():
+        state = model.prepare(cache)
+        assert state.query_pad is not None  # rows 1 and 2 have blocked columns
+        for seed in (2, 3):
+            x, t = noisy_action(3, seed)
+            expected = model.velocity(x, t, cache)
+            assert (model.velocity_prepared(x, t, state) - expected).abs().max() < 1e-5
+        # Not vacuous: the same buffers without the mask channel give other numbers.
+        state.keys[0][:, :, :, HEAD_DIM] = 0.0
+        unmasked = model.velocity_prepared(x, t, state)
+    assert (unmasked - expected).abs().max() > 1e-3
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, cache.keys + cache.values))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("padding", [1, 37, 256 - 30 - W])
+def test_bucket_padding_does_not_change_the_velocity(rows, padding):
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval()
+    offsets = [30, 21, 26][:rows]
+    cache = random_cache(rows, 30, seed=rows, offsets=offsets, deltas=[2] * rows)
+    x, t = noisy_action(rows, seed=4)
+    with torch.no_grad():
+        state = model.prepare(cache, capacity=30 + W + padding)
+        assert state.capacity == 30 + W + padding
+        got = model.velocity_prepared(x, t, state)
+        expected = model.velocity(x, t, cache)
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_reloaded_state_masks_what_a_longer_plan_left_behind():
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval()
+    long_cache = random_cache(2, 60, seed=1, offsets=[60, 55], deltas=[0, 0])
+    short_cache = random_cache(2, 20, seed=2, offsets=[20, 17], deltas=[4, 1])
+    x, t = noisy_action(2, seed=3)
+    with torch.no_grad():
+        state = model.new_state(2, 128, masked=True)
+        model.load_state(state, [long_cache])
+        model.velocity_prepared(x, t, state)
+        model.load_state(state, [short_cache])  # columns 20..59 still hold the long plan
+        assert torch.equal(state.keys[1][:, :, 20:60, :HEAD_DIM], long_cache.keys[1][:, :, 20:])
+        got = model.velocity_prepared(x, t, state)
+        expected = model.velocity(x, t, short_cache)
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_stacked_caches_in_one_state_equal_separate_calls():
+    # The guided sampler runs conditional and route-free rows (different lengths) as one batch.
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval()
+    cond = random_cache(1, 40, seed=1, offsets=[40], deltas=[-3])
+    free = random_cache(1, 31, seed=2, offsets=[31], deltas=[-1])
+    x, t = noisy_action(1, seed=3)
+    with torch.no_grad():
+        state = model.new_state(2, 40 + W, masked=True)
+        model.load_state(state, [cond, free])
+        both = model.velocity_prepared(torch.cat([x, x]), torch.cat([t, t]), state)
+        expected = torch.cat([model.velocity(x, t, cond), model.velocity(x, t, free)])
+    assert (both - expected).abs().max() < 1e-5
+
+
+def test_bf16_prepared_state_stays_close_to_bf16_reference():
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval().bfloat16()
+    cache = random_cache(2, 24, seed=1, offsets=[24, 19], deltas=[0, 0])
+    x, t = noisy_action(2, seed=2)
+    with torch.no_grad():
+        state = model.prepare(cache, capacity=128)
+        got = model.velocity_prepared(x, t, state)
+        expected = model.velocity(x, t, cache)
+    assert state.keys[0].dtype == torch.bfloat16 and got.dtype == torch.bfloat16
+    assert (got.float() - expected.float()).abs().max() < 0.02 * expected.float().abs().max()
+
+
+def test_bad_states_are_named():
+    model = ActionExpertModel(tiny_config())
+    cache = random_cache(2, 30, seed=0, offsets=[30, 25], deltas=[0, 0])
+    with pytest.raises(ValueError, match="capacity"):
+        model.new_state(2, W, masked=True)
+    with pytest.raises(ValueError, match="rows"):
+        model.new_state(0, 128, masked=True)
+    with pytest.raises(ValueError, match="capacity 90"):
+        model.prepare(cache, capacity=90)
+    with pytest.raises(ValueError, match="unmasked"):
+        model.load_state(model.new_state(2, 30 + W, masked=False), [cache])
+    with pytest.raises(ValueError, match="caches: 2 rows"):
+        model.load_state(model.new_state(3, 128, masked=True), [cache])
+    state = model.prepare(cache)
+    x, t = noisy_action(1, seed=1)
+    with pytest.raises(ValueError, match="x:"):
+        model.velocity_prepared(x, t, state)

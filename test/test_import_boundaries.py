@@ -18,7 +18,9 @@ MODEL_MODULES = ("torch", "transformers", "vllm", "safetensors")
 
 def modules_of(subpackage: str) -> list[str]:
     names = [f"alpamayo_ros.{subpackage}"]
-    names += [f"alpamayo_ros.{subpackage}.{info.name}" for info in pkgutil.iter_modules([str(PACKAGE_DIR / subpackage)])]
+    names += [
+        f"alpamayo_ros.{subpackage}.{info.name}" for info in pkgutil.iter_modules([str(PACKAGE_DIR / subpackage)])
+    ]
     return names
 
 

@@ -13,8 +13,7 @@ from ros_helpers import RosSide, ros_env, start_python, stop_process, unique_dom
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, Trajectory, TrajectorySet
 
 # The publisher process builds the same messages from this code, so both sides agree on values.
-BUILD_MESSAGES = textwrap.dedent(
-    """
+BUILD_MESSAGES = textwrap.dedent("""
     from builtin_interfaces.msg import Time
     from geometry_msgs.msg import Point, Pose, Quaternion
     from std_msgs.msg import Header
@@ -38,12 +37,10 @@ BUILD_MESSAGES = textwrap.dedent(
                                     stage_ms=[12.5, 230.0, 41.75], input_age_ms=35.5, latency_ms=310.25,
                                     overruns=4),
         }
-    """
-)
+    """)
 TOPICS = {"trajectory": Trajectory, "trajectory_set": TrajectorySet, "reasoning": Reasoning, "timings": StageTimings}
 
-PUBLISHER = BUILD_MESSAGES + textwrap.dedent(
-    """
+PUBLISHER = BUILD_MESSAGES + textwrap.dedent("""
     import rclpy
     from rclpy.executors import ExternalShutdownException
     from rclpy.qos import QoSProfile, ReliabilityPolicy
@@ -61,8 +58,7 @@ PUBLISHER = BUILD_MESSAGES + textwrap.dedent(
             rclpy.spin(node)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    """
-)
+    """)
 
 
 def expected_messages() -> dict:

@@ -114,7 +114,7 @@ class HFBackbone:
         finished = torch.zeros(num_samples, dtype=torch.bool, device=self.device)
         found_stop = torch.zeros_like(finished)
         for step in range(max_new_tokens):
-            logits[:, self._masked[0]:self._masked[1]] = float("-inf")
+            logits[:, self._masked[0] : self._masked[1]] = float("-inf")
             token = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
             token = torch.where(finished, ids.pad, token)
             tokens.append(token)
@@ -158,8 +158,10 @@ class HFBackbone:
         max_new_tokens: int,
         generator: torch.Generator,
     ) -> list[list[int]]:
-        """Plain sampling for VQA (upstream's generate_text): no `<i*>` mask, no trajectory
-        stop rule; a row ends at `<|im_end|>` (kept in its ids)."""
+        """Sample plain text for VQA (upstream's generate_text).
+
+        No `<i*>` mask and no trajectory stop rule; a row ends at `<|im_end|>` (kept in its ids).
+        """
         _check_sampling(num_samples, temperature, top_p, max_new_tokens)
         ids = self.tokenizer.ids
         cache, logits = self._prefill_prompt(prompt, num_samples)

@@ -76,9 +76,8 @@ class VLLMBackbone:
 
         self._adapter = vllm_adapter
         self._ids = token_ids
-        traj_end = token_ids.traj_start + token_ids.traj_vocab_size
-        # every id except the <i*> trajectory bins: upstream's logits mask
-        self._allowed_ids = [i for i in range(config.vocab_size) if not token_ids.traj_start <= i < traj_end]
+        # the <i*> trajectory bins: upstream's logits mask
+        self._masked_ids = (token_ids.traj_start, token_ids.traj_start + token_ids.traj_vocab_size)
         self._image_keys: dict[int, tuple[weakref.ref, str]] = {}  # id(pixel_values) -> (ref, key)
         model_dir = vllm_adapter.materialize_model_dir(
             config.checkpoint_dir,
@@ -128,7 +127,7 @@ class VLLMBackbone:
         else:
             stop = [self._ids.im_end]
             results = self._sample(
-                prompt, num_samples, temperature, top_p, max_new_tokens, generator, self._allowed_ids, stop, capture=True
+                prompt, num_samples, temperature, top_p, max_new_tokens, generator, self._masked_ids, stop, capture=True
             )
             captured = [r.captured for r in results]
             sampled = [r.output_ids for r in results]
@@ -177,7 +176,7 @@ class VLLMBackbone:
         top_p: float,
         max_new_tokens: int,
         generator: torch.Generator,
-        allowed_ids: list[int] | None,
+        masked_ids: tuple[int, int] | None,
         stop_ids: list[int],
         *,
         capture: bool,
@@ -192,7 +191,7 @@ class VLLMBackbone:
                 top_p=1.0 if greedy else top_p,
                 max_tokens=max_new_tokens,
                 seed=seed + row,
-                allowed_token_ids=allowed_ids,
+                masked_ids=masked_ids,
                 stop_token_ids=stop_ids,
             )
             for row in range(num_samples)

@@ -153,7 +153,7 @@ def load_backbone(
 def _rename(name: str, prefix_map: Mapping[str, str]) -> str | None:
     for checkpoint_prefix, module_prefix in prefix_map.items():
         if name.startswith(checkpoint_prefix):
-            return module_prefix + name[len(checkpoint_prefix):]
+            return module_prefix + name[len(checkpoint_prefix) :]
     return None
 
 

@@ -13,7 +13,6 @@ The backbone (Qwen3-VL) architecture is not in `config.json`; upstream rebuilds 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,7 @@ from .action_space import ActionSpaceConfig
 from .expert import ExpertConfig
 from .history_tokens import DeltaHistoryTokenizer
 from .preprocess import VisionGeometry
-from .tokenizer import QWEN3_VOCAB_SIZE, SPECIAL_TOKEN_KEYS, TRAJ_TOKEN_KEYS
-
-logger = logging.getLogger(__name__)
+from .tokenizer import BASE_TOKEN_IDS, QWEN3_VOCAB_SIZE, extended_vocab_size, traj_token_ids
 
 CONFIG_FILE = "config.json"
 _DATA_DIR = Path(__file__).parent / "data"
@@ -36,9 +33,6 @@ KNOWN_BACKBONES: dict[str, str] = {
     "nvidia/Cosmos-Reason2-8B": "qwen3_vl_8b_config.json",
     "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b_config.json",
 }
-#: New special tokens (upstream's keys minus <|image_pad|>, which Qwen3 already has).
-NUM_NEW_SPECIAL_TOKENS = len(SPECIAL_TOKEN_KEYS) - 1
-
 # field -> (accepted upstream class name, constructor keys we accept)
 _TARGETS: dict[str, tuple[str, frozenset[str]]] = {
     "action_space_cfg": ("UnicycleAccelCurvatureActionSpace", frozenset(ActionSpaceConfig.__dataclass_fields__)),
@@ -53,7 +47,9 @@ _TARGETS: dict[str, tuple[str, frozenset[str]]] = {
     "action_out_proj_cfg": ("Linear", frozenset({"bias"})),
     "hist_traj_tokenizer_cfg": (
         "DeltaTrajectoryTokenizer",
-        frozenset({"ego_xyz_min", "ego_xyz_max", "ego_yaw_min", "ego_yaw_max", "num_bins", "predict_yaw", "load_weights"}),
+        frozenset(
+            {"ego_xyz_min", "ego_xyz_max", "ego_yaw_min", "ego_yaw_max", "num_bins", "predict_yaw", "load_weights"}
+        ),
     ),
     "traj_tokenizer_cfg": (
         "DiscreteTrajectoryTokenizer",
@@ -115,10 +111,6 @@ class BackboneConfig:
         rope.setdefault("rope_theta", text.get("rope_theta"))
         return rope
 
-    @property
-    def image_token_id(self) -> int:
-        return int(self.raw.get("image_token_id", 151655))
-
     def vision_geometry(self, min_pixels: int, max_pixels: int) -> VisionGeometry:
         """Preprocessing geometry from the vision tower's patching and the pixel bounds."""
         vision = self.vision
@@ -131,7 +123,7 @@ class BackboneConfig:
         )
 
     def hf_config(self, vocab_size: int, dtype: torch.dtype):
-        """transformers Qwen3VLConfig with the vocabulary extended to vocab_size (as upstream)."""
+        """Build transformers' Qwen3VLConfig with the vocabulary extended to vocab_size (as upstream)."""
         from transformers import Qwen3VLConfig
 
         raw = {key: value for key, value in self.raw.items() if not key.startswith("_")}
@@ -167,7 +159,7 @@ class AlpamayoConfig:
     raw: dict[str, Any] = field(repr=False)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> "AlpamayoConfig":
+    def from_checkpoint(cls, checkpoint_dir: str | Path) -> AlpamayoConfig:
         """Read and validate `<checkpoint_dir>/config.json`."""
         directory = Path(checkpoint_dir)
         path = directory / CONFIG_FILE
@@ -178,7 +170,7 @@ class AlpamayoConfig:
         return cls.from_dict(raw, directory)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], checkpoint_dir: Path) -> "AlpamayoConfig":
+    def from_dict(cls, raw: dict[str, Any], checkpoint_dir: Path) -> AlpamayoConfig:
         """Validate a parsed config.json (see from_checkpoint)."""
         model_type = raw.get("model_type")
         if model_type != "alpamayo1_5":
@@ -195,19 +187,19 @@ class AlpamayoConfig:
         if traj_start != QWEN3_VOCAB_SIZE:
             raise ValueError(f"traj_token_start_idx: expected {QWEN3_VOCAB_SIZE}, got {traj_start}")
         vocab_size = _require(raw, "vocab_size", int)
-        expected_vocab = QWEN3_VOCAB_SIZE + traj_vocab_size + NUM_NEW_SPECIAL_TOKENS
+        expected_vocab = extended_vocab_size(traj_vocab_size)
         if vocab_size != expected_vocab:
             raise ValueError(
                 f"vocab_size: {vocab_size} != {QWEN3_VOCAB_SIZE} + traj_vocab_size {traj_vocab_size} + "
-                f"{NUM_NEW_SPECIAL_TOKENS} specials = {expected_vocab}"
+                f"{expected_vocab - QWEN3_VOCAB_SIZE - traj_vocab_size} specials = {expected_vocab}"
             )
-        _check_traj_token_ids(raw.get("traj_token_ids"), traj_start + traj_vocab_size)
+        _check_traj_token_ids(raw.get("traj_token_ids"), traj_vocab_size)
 
         action_space = _action_space(_spec(raw, "action_space_cfg"))
         if action_space.n_waypoints != 64:
             raise ValueError(f"action_space_cfg.n_waypoints: only 64 is supported, got {action_space.n_waypoints}")
         flow_steps = _diffusion_steps(_spec(raw, "diffusion_cfg"))
-        _spec(raw, "action_out_proj_cfg", lambda spec: _check_out_proj(spec))
+        _check_out_proj(_spec(raw, "action_out_proj_cfg"))
         hist = _spec(raw, "hist_traj_tokenizer_cfg")
         if hist.get("predict_yaw", False):
             raise ValueError("hist_traj_tokenizer_cfg.predict_yaw: only false is supported")
@@ -275,6 +267,9 @@ def load_backbone_config(checkpoint_dir: Path, vlm_name_or_path: str) -> Backbon
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
         if not isinstance(text.get(key), int):
             raise ValueError(f"vlm_name_or_path: {path} text_config.{key} missing or not an int")
+    for key, token in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>")):
+        if raw.get(key, BASE_TOKEN_IDS[token]) != BASE_TOKEN_IDS[token]:
+            raise ValueError(f"vlm_name_or_path: {path} {key} {raw[key]} != {BASE_TOKEN_IDS[token]} ({token})")
     return BackboneConfig(source=str(path), raw=raw)
 
 
@@ -320,8 +315,8 @@ def _expert_config(raw: dict[str, Any], backbone: BackboneConfig) -> ExpertConfi
     )
 
 
-def _spec(raw: dict[str, Any], name: str, check=None) -> dict[str, Any]:
-    """The kwargs of a hydra spec, after checking its `_target_` names the expected class."""
+def _spec(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """Return a hydra spec's kwargs, after checking that its `_target_` names the expected class."""
     spec = raw.get(name)
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: missing or not an object")
@@ -332,10 +327,7 @@ def _spec(raw: dict[str, Any], name: str, check=None) -> dict[str, Any]:
     unknown = sorted(set(spec) - keys - _HYDRA_KEYS)
     if unknown:
         raise ValueError(f"{name}: unsupported keys {unknown} for {expected}")
-    kwargs = {key: value for key, value in spec.items() if key not in _HYDRA_KEYS}
-    if check is not None:
-        check(kwargs)
-    return kwargs
+    return {key: value for key, value in spec.items() if key not in _HYDRA_KEYS}
 
 
 def _action_space(kwargs: dict[str, Any]) -> ActionSpaceConfig:
@@ -364,22 +356,20 @@ def _check_out_proj(kwargs: dict[str, Any]) -> None:
         raise ValueError("action_out_proj_cfg.bias: only true is supported")
 
 
-def _check_traj_token_ids(table: Any, first_special_id: int) -> None:
-    """traj_token_ids must match the ids the special-token order implies."""
+def _check_traj_token_ids(table: Any, traj_vocab_size: int) -> None:
+    """Check that traj_token_ids holds the ids the special-token order implies."""
     if table is None:
         return
     if not isinstance(table, dict):
         raise ValueError("traj_token_ids: expected an object")
-    new_keys = [key for key in SPECIAL_TOKEN_KEYS if key != "image_pad"]
-    for name, key in TRAJ_TOKEN_KEYS.items():
-        expected = first_special_id + new_keys.index(key)
+    for name, expected in traj_token_ids(traj_vocab_size).items():
         if table.get(name) != expected:
             raise ValueError(f"traj_token_ids.{name}: expected {expected}, got {table.get(name)!r}")
 
 
 def _require(raw: dict[str, Any], name: str, kind: type) -> Any:
     value = raw.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"{name}: missing or not a {kind.__name__} (got {value!r})")
     return value
 

@@ -3,8 +3,13 @@
 It has no token embeddings: the noisy action is projected to 64 input embeddings, and every
 expert layer i attends to backbone cache layer i (prompt + reasoning) plus the 64 action
 tokens, bidirectionally. Module names mirror upstream's checkpoint keys (`expert.*`,
-`action_in_proj.*`, `action_out_proj.*`) so its state_dict loads 1:1. The cache is never
-mutated: concatenating per call is equivalent to upstream's append-then-crop.
+`action_in_proj.*`, `action_out_proj.*`) so its state_dict loads 1:1.
+
+Two ways to run it, equal within float rounding: `velocity(x, t, cache)` concatenates the
+cache and the action K/V on every call (upstream's append-then-crop, the reference), while
+`prepare(cache)` copies the cache once into an ExpertState with spare columns for the action
+tokens and `velocity_prepared(x, t, state)` then writes only those columns per step. The
+cache itself is never mutated.
 """
 
 from __future__ import annotations
@@ -83,9 +88,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        # F.rms_norm upcasts half inputs to fp32 and casts the result back: the same math as
+        # the spelled-out version, in one fused kernel on CUDA.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 class FourierFeatures(nn.Module):
@@ -183,6 +188,40 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+#: Extra query/key channels that carry the mask of a masked ExpertState. Flash attention takes
+#: no mask, but q.k over [q, 1, 0, ...] and [k, bias, 0, ...] adds `bias` to every score of
+#: that key: 0 where attended, the dtype's minimum where blocked. 8 keeps the head size a
+#: multiple of 8, as flash kernels need.
+MASK_CHANNELS = 8
+
+
+@dataclass
+class ExpertState:
+    """Attention inputs of one plan, in buffers of which each step rewrites only W columns.
+
+    keys/values: per expert layer (N, Hkv, C, Dk). Columns [0, T) hold the prefix cache,
+        [C - W, C) the current step's action tokens, [T, C - W) padding; C (capacity) may
+        exceed T + W, so one state (and one CUDA graph) serves plans of many lengths.
+    cos/sin: (N, 1, W, D) RoPE of the action tokens, in the model dtype.
+    query_pad: None if nothing is masked (Dk = D). Else the row [1, 0, ...] of MASK_CHANNELS
+        appended to every query; Dk = D + MASK_CHANNELS and keys[..., D] is the mask bias.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    query_pad: torch.Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
 class ExpertAttention(nn.Module):
     """GQA self-attention whose keys are [backbone cache layer ; own tokens]."""
 
@@ -206,6 +245,37 @@ class ExpertAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(head_dim, rms_norm_eps)
 
+    def _project(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return q (N, H, L, D) and k, v (N, Hkv, L, D) of h (N, L, E), q and k rotated.
+
+        rope: cos, sin (N, 1, L, D).
+        """
+        n_rows, length, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h).view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(n_rows, length, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        folded_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attend q (N, H, L, Dk) to keys/values (N, Hkv, S, Dk); project (N, L, E) out."""
+        n_rows, _, length, width = q.shape
+        # GQA without copying K/V per query head: query heads sharing a kv head are stacked
+        # along the query axis (N, Hkv, groups*L, Dk); a mask is shared by all heads.
+        q = q.reshape(n_rows, self.num_kv_heads, -1, width)
+        scale = self.head_dim**-0.5
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=folded_mask, scale=scale)
+        out = out[..., : self.head_dim].reshape(n_rows, self.num_heads, length, self.head_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(n_rows, length, -1))
+
     def forward(
         self,
         h: torch.Tensor,
@@ -219,23 +289,27 @@ class ExpertAttention(nn.Module):
         folded_mask: (N, 1, groups*L, T+L) additive mask in h's dtype, the (N, 1, L, T+L)
         mask repeated once per query head sharing a kv head.
         """
-        n_rows, length, _ = h.shape
-        groups = self.num_heads // self.num_kv_heads
-        q = self.q_norm(self.q_proj(h).view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(h).view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(h).view(n_rows, length, -1, self.head_dim).transpose(1, 2)  # (N, H, L, D)
-        cos, sin = rope[0][:, None], rope[1][:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self._project(h, rope)
         k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (N, Hkv, T+L, D)
         v = torch.cat([past_value.to(v.dtype), v], dim=2)
-        # GQA without copying K/V per query head: query heads sharing a kv head are stacked
-        # along the query axis (N, Hkv, groups*L, D); the mask is shared by all heads.
-        q = q.reshape(n_rows, self.num_kv_heads, groups * length, self.head_dim)
-        scale = self.head_dim**-0.5
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=folded_mask, scale=scale)
-        out = out.reshape(n_rows, self.num_heads, length, self.head_dim).transpose(1, 2)
-        return self.o_proj(out.reshape(n_rows, length, -1))
+        return self._attend(q, k, v, folded_mask)
+
+    def forward_prepared(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_pad: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write h's K/V into the last L columns of one ExpertState layer, then attend to it."""
+        q, k, v = self._project(h, rope)
+        length = h.shape[1]
+        keys[:, :, -length:, : self.head_dim] = k
+        values[:, :, -length:, : self.head_dim] = v
+        if query_pad is not None:
+            q = torch.cat([q, query_pad.expand(*q.shape[:-1], -1)], dim=-1)
+        return self._attend(q, keys, values, None)
 
 
 class ExpertMLP(nn.Module):
@@ -281,6 +355,40 @@ class ExpertLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), rope, past_key, past_value, folded_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_prepared(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_pad: torch.Tensor | None,
+    ) -> torch.Tensor:
+        attn = self.self_attn.forward_prepared(
+            self.input_layernorm(h), rope, keys, values, query_pad
+        )
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def prepared_layer_step(
+    layer: ExpertLayer,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_pad: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer over one ExpertState layer.
+
+    A plain function of the layer, so that one torch.compile of it serves every layer (they
+    differ only in weights); see ExpertModel.forward_prepared.
+    """
+    return layer.forward_prepared(h, rope, keys, values, query_pad)
+
+
+#: prepared_layer_step or a compiled twin of it (same arguments).
+LayerStep = Callable[..., torch.Tensor]
+
 
 class ExpertModel(nn.Module):
     """The decoder stack (upstream's `expert`: a Qwen3VLTextModel without embed_tokens)."""
@@ -308,30 +416,86 @@ class ExpertModel(nn.Module):
         float (0 = attend); keys/values: per backbone layer (N, Hkv, T, D), rotated K.
         """
         cfg = self.config
-        if len(keys) < cfg.num_layers or len(values) < cfg.num_layers:
-            raise ValueError(
-                f"keys/values: {len(keys)}/{len(values)} cache layers for {cfg.num_layers} expert"
-                " layers"
-            )
         n_rows, length, _ = inputs_embeds.shape
-        expected = (n_rows, cfg.num_kv_heads, keys[0].shape[2], cfg.head_dim)
-        if tuple(keys[0].shape) != expected or tuple(values[0].shape) != expected:
-            raise ValueError(
-                f"keys/values: expected layer shape {expected} (N, Hkv, T, D), got"
-                f" {tuple(keys[0].shape)}/{tuple(values[0].shape)}"
-            )
-        if tuple(mask.shape) != (n_rows, 1, length, expected[2] + length):
-            raise ValueError(
-                f"mask: expected {(n_rows, 1, length, expected[2] + length)}, got"
-                f" {tuple(mask.shape)}"
-            )
-        rope = self.rotary_emb(positions, inputs_embeds.dtype)
+        _check_cache_layers(cfg, keys, values, n_rows)
+        expected = (n_rows, 1, length, keys[0].shape[2] + length)
+        if tuple(mask.shape) != expected:
+            raise ValueError(f"mask: expected {expected}, got {tuple(mask.shape)}")
+        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        rope = (cos[:, None], sin[:, None])
         groups = cfg.num_heads // cfg.num_kv_heads
         folded_mask = mask.to(inputs_embeds.dtype).repeat(1, 1, groups, 1)  # see ExpertAttention
         h = inputs_embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, keys[i], values[i], folded_mask)
         return self.norm(h)
+
+    def forward_prepared(
+        self,
+        inputs_embeds: torch.Tensor,
+        state: ExpertState,
+        layer_step: LayerStep = prepared_layer_step,
+    ) -> torch.Tensor:
+        """forward() over a prepared state: (N, W, E) embeddings -> final-normed hidden states."""
+        rope = (state.cos, state.sin)
+        h = inputs_embeds
+        for layer, keys, values in zip(self.layers, state.keys, state.values):
+            h = layer_step(layer, h, rope, keys, values, state.query_pad)
+        return self.norm(h)
+
+
+def _check_cache_layers(
+    config: ExpertConfig,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    n_rows: int,
+) -> None:
+    if len(keys) < config.num_layers or len(values) < config.num_layers:
+        raise ValueError(
+            f"keys/values: {len(keys)}/{len(values)} cache layers for {config.num_layers} expert"
+            " layers"
+        )
+    expected = (n_rows, config.num_kv_heads, keys[0].shape[2], config.head_dim)
+    if tuple(keys[0].shape) != expected or tuple(values[0].shape) != expected:
+        raise ValueError(
+            f"keys/values: expected layer shape {expected} (N, Hkv, T, D), got"
+            f" {tuple(keys[0].shape)}/{tuple(values[0].shape)}"
+        )
+
+
+def _action_positions(cache: PrefixCache, n_tokens: int) -> torch.Tensor:
+    """M-RoPE positions (3, N, n) int64: token j of row i sits at j + offset + rope_delta."""
+    n_rows = cache.keys[0].shape[0]
+    if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
+        raise ValueError(
+            f"cache.offsets/rope_deltas: expected ({n_rows},), got"
+            f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
+        )
+    device = cache.keys[0].device
+    start = cache.offsets.to(device=device, dtype=torch.long)
+    start = start + cache.rope_deltas.to(device=device, dtype=torch.long)
+    token = torch.arange(n_tokens, device=device)
+    return (token[None, :] + start[:, None]).expand(3, n_rows, n_tokens)
+
+
+def _blocked_prefix(cache: PrefixCache) -> torch.Tensor:
+    """(N, T) bool: True on cache columns no action token may attend.
+
+    Those are the columns [offset, T) (tokens other rows generated past their stop) and
+    the ones where cache.valid is False.
+    """
+    n_rows, _, length, _ = cache.keys[0].shape
+    device = cache.keys[0].device
+    if tuple(cache.offsets.shape) != (n_rows,):
+        raise ValueError(f"cache.offsets: expected ({n_rows},), got {tuple(cache.offsets.shape)}")
+    if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
+        expected = (n_rows, length)
+        raise ValueError(f"cache.valid: expected {expected}, got {tuple(cache.valid.shape)}")
+    offsets = cache.offsets.to(device=device, dtype=torch.long)
+    blocked = torch.arange(length, device=device)[None, :] >= offsets[:, None]
+    if cache.valid is not None:
+        blocked |= ~cache.valid.to(device=device, dtype=torch.bool)
+    return blocked
 
 
 def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.Tensor, ...]:
@@ -342,25 +506,10 @@ def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.T
     rows generated past their stop) and where cache.valid is False, else 0; the n action
     columns are open to every action token (bidirectional).
     """
-    n_rows, _, length, _ = cache.keys[0].shape
-    device = cache.keys[0].device
-    if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
-        raise ValueError(
-            f"cache.offsets/rope_deltas: expected ({n_rows},), got"
-            f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
-        )
-    if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
-        expected = (n_rows, length)
-        raise ValueError(f"cache.valid: expected {expected}, got {tuple(cache.valid.shape)}")
-    offsets = cache.offsets.to(device=device, dtype=torch.long)
-    deltas = cache.rope_deltas.to(device=device, dtype=torch.long)
-    token = torch.arange(n_tokens, device=device)
-    positions = (token[None, :] + (offsets + deltas)[:, None]).expand(3, n_rows, n_tokens)
-    column = torch.arange(length + n_tokens, device=device)
-    blocked = (column[None, :] >= offsets[:, None]) & (column[None, :] < length)  # (N, T+n)
-    if cache.valid is not None:
-        blocked[:, :length] |= ~cache.valid.to(device=device, dtype=torch.bool)
-    mask = torch.zeros(n_rows, 1, n_tokens, length + n_tokens, dtype=torch.float32, device=device)
+    positions = _action_positions(cache, n_tokens)
+    blocked = F.pad(_blocked_prefix(cache), (0, n_tokens))  # (N, T+n), action columns open
+    n_rows, width = blocked.shape
+    mask = torch.zeros(n_rows, 1, n_tokens, width, dtype=torch.float32, device=blocked.device)
     mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(torch.float32).min)
     return positions, mask
 
@@ -377,19 +526,122 @@ class ActionExpertModel(nn.Module):
         count = sum(p.numel() for p in self.parameters())
         logger.info(f"action expert: {count / 1e6:.2f} M parameters, {config.num_layers} layers")
 
+    def _check_action(self, x: torch.Tensor, t: torch.Tensor, n_rows: int) -> None:
+        expected = (n_rows, self.config.n_waypoints, ACTION_DIM)
+        if tuple(x.shape) != expected:
+            raise ValueError(f"x: expected {expected} (cache rows), got {tuple(x.shape)}")
+        if tuple(t.shape) != (n_rows,):
+            raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
+
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> torch.Tensor:
         """Predict the flow (N, 64, 2) for noisy actions x (N, 64, 2) at flow times t (N,).
 
         Free of host syncs, so the sampler loop can be captured in a CUDA graph as long as
         the cache tensors (incl. offsets, rope_deltas, valid) already live on the device.
         """
-        n_rows = cache.keys[0].shape[0]
-        if tuple(x.shape) != (n_rows, self.config.n_waypoints, ACTION_DIM):
-            expected = (n_rows, self.config.n_waypoints, ACTION_DIM)
-            raise ValueError(f"x: expected {expected} (cache rows), got {tuple(x.shape)}")
-        if tuple(t.shape) != (n_rows,):
-            raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
+        self._check_action(x, t, cache.keys[0].shape[0])
         embeds = self.action_in_proj(x, t)
         positions, mask = build_positions_and_mask(cache, x.shape[1])
         hidden = self.expert(embeds, positions, mask, cache.keys, cache.values)
         return self.action_out_proj(hidden)
+
+    def new_state(self, rows: int, capacity: int, *, masked: bool) -> ExpertState:
+        """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W).
+
+        Zeros, not empty memory: padding columns get zero attention weight, and 0 * NaN would
+        still poison the output.
+        """
+        cfg = self.config
+        if rows < 1:
+            raise ValueError(f"rows: must be >= 1, got {rows}")
+        if capacity <= cfg.n_waypoints:
+            raise ValueError(f"capacity: must exceed {cfg.n_waypoints} action tokens, got {capacity}")
+        weight = self.expert.norm.weight
+        like = {"device": weight.device, "dtype": weight.dtype}
+        width = cfg.head_dim + (MASK_CHANNELS if masked else 0)
+        shape = (rows, cfg.num_kv_heads, capacity, width)
+        rope_shape = (rows, 1, cfg.n_waypoints, cfg.head_dim)
+        query_pad = None
+        if masked:
+            query_pad = torch.zeros(MASK_CHANNELS, **like)
+            query_pad[0] = 1.0
+        return ExpertState(
+            keys=[torch.zeros(shape, **like) for _ in range(cfg.num_layers)],
+            values=[torch.zeros(shape, **like) for _ in range(cfg.num_layers)],
+            cos=torch.zeros(rope_shape, **like),
+            sin=torch.zeros(rope_shape, **like),
+            query_pad=query_pad,
+        )
+
+    def load_state(self, state: ExpertState, caches: Sequence[PrefixCache]) -> None:
+        """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
+
+        Rewrites every prefix column, the mask channel and the RoPE, so one state serves any
+        plan that fits: what an earlier, longer plan left in the padding is masked out.
+        """
+        cfg = self.config
+        rows = sum(cache.keys[0].shape[0] for cache in caches)
+        if rows != state.rows:
+            raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
+        spare = state.capacity - cfg.n_waypoints  # prefix columns + padding
+        dtype = state.cos.dtype
+        start = 0
+        for cache in caches:
+            n_rows, length = cache.keys[0].shape[0], cache.length
+            _check_cache_layers(cfg, cache.keys, cache.values, n_rows)
+            if length > spare:
+                raise ValueError(
+                    f"cache: {length} tokens + {cfg.n_waypoints} action tokens exceed the"
+                    f" state's capacity {state.capacity}"
+                )
+            blocked = _blocked_prefix(cache)
+            rows_at = slice(start, start + n_rows)
+            bias = None
+            if state.query_pad is not None:
+                blocked = F.pad(blocked, (0, state.capacity - length))
+                blocked[:, length:spare] = True  # padding
+                bias = torch.zeros(n_rows, 1, state.capacity, dtype=dtype, device=blocked.device)
+                bias = bias.masked_fill(blocked[:, None, :], torch.finfo(dtype).min)
+            elif length != spare or bool(blocked.any()):
+                raise ValueError(
+                    "state: unmasked, but this cache needs a mask (padding, stop gap or invalid"
+                    " columns); allocate it with new_state(..., masked=True)"
+                )
+            for i in range(cfg.num_layers):
+                state.keys[i][rows_at, :, :length, : cfg.head_dim] = cache.keys[i]
+                state.values[i][rows_at, :, :length, : cfg.head_dim] = cache.values[i]
+                if bias is not None:
+                    state.keys[i][rows_at, :, :, cfg.head_dim] = bias
+            cos, sin = self.expert.rotary_emb(_action_positions(cache, cfg.n_waypoints), dtype)
+            state.cos[rows_at] = cos[:, None]
+            state.sin[rows_at] = sin[:, None]
+            start += n_rows
+
+    def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState:
+        """Copy `cache` once into a new ExpertState of `capacity` columns (default T + W).
+
+        The state is masked only where something must be: padding, a stop gap or invalid
+        columns. One sample without padding needs none, so attention runs unmasked (flash).
+        """
+        needed = cache.length + self.config.n_waypoints
+        capacity = needed if capacity is None else capacity
+        masked = capacity != needed or bool(_blocked_prefix(cache).any())
+        state = self.new_state(cache.keys[0].shape[0], capacity, masked=masked)
+        self.load_state(state, [cache])
+        return state
+
+    def velocity_prepared(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        state: ExpertState,
+        *,
+        layer_step: LayerStep = prepared_layer_step,
+    ) -> torch.Tensor:
+        """velocity(x, t, cache) for the cache(s) loaded into `state`.
+
+        Writes this call's action K/V into the state's last W columns; free of host syncs.
+        """
+        self._check_action(x, t, state.rows)
+        embeds = self.action_in_proj(x, t)
+        return self.action_out_proj(self.expert.forward_prepared(embeds, state, layer_step))

@@ -3,20 +3,104 @@
 Upstream's convention: t = 0 is noise, t = 1 is data, and the model predicts the velocity
 x_data - noise. The noise comes from an explicit torch.Generator (never the global RNG), so a
 seed fully determines a plan and parallel pipelines cannot disturb each other's streams.
+
+`sample` integrates any velocity function (the reference). `ExpertSampler` runs the same
+integration over the action expert the fast way: prefix caches copied once into persistent,
+length-bucketed ExpertStates, and on CUDA every step of the loop replayed as one CUDA graph.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
+from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.expert import (
+    ActionExpertModel,
+    ExpertState,
+    LayerStep,
+    prepared_layer_step,
+)
 from alpamayo_ros.core.types import NUM_WAYPOINTS
+
+logger = logging.getLogger(__name__)
 
 #: velocity_fn(x (N, 64, 2), t (N,)) -> velocity (N, 64, 2)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 ACTION_SHAPE = (NUM_WAYPOINTS, 2)  # (waypoints, [normalised accel, normalised curvature])
+
+
+def initial_noise(
+    batch: int,
+    *,
+    noise_temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    init_noise: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """x0 = noise * noise_temperature, (batch, 64, 2) on `device`.
+
+    noise is randn from `generator` or, if given, init_noise (a standard-normal draw).
+    """
+    if batch < 1:
+        raise ValueError(f"batch: must be >= 1, got {batch}")
+    if not noise_temperature >= 0:
+        raise ValueError(f"noise_temperature: must be >= 0, got {noise_temperature}")
+    shape = (batch, *ACTION_SHAPE)
+    if init_noise is None:
+        if generator is None:
+            raise ValueError("generator: required when init_noise is not given")
+        # Drawn on the generator's device, so a CPU generator gives the same noise for CPU
+        # and GPU runs.
+        noise = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
+    elif tuple(init_noise.shape) != shape:
+        raise ValueError(f"init_noise: expected {shape}, got {tuple(init_noise.shape)}")
+    else:
+        noise = init_noise
+    return noise.to(device=device, dtype=dtype) * noise_temperature
+
+
+def integrate(
+    velocity_fn: VelocityFn,
+    x0: torch.Tensor,
+    *,
+    steps: int = 10,
+    uncond_velocity_fn: VelocityFn | None = None,
+    guidance_weight: float = 1.0,
+) -> torch.Tensor:
+    """Euler-integrate x0 (N, 64, 2) from t = 0 to 1 in `steps` steps; no host syncs.
+
+    With uncond_velocity_fn, the velocity is classifier-free guided:
+    v = (1 - w) * v_uncond + w * v_cond, w = guidance_weight (w = 1: conditional only).
+    """
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    if uncond_velocity_fn is None and guidance_weight != 1.0:
+        raise ValueError(
+            f"guidance_weight: {guidance_weight} needs uncond_velocity_fn (only 1.0 works without)"
+        )
+    x = x0
+    times = torch.linspace(0.0, 1.0, steps + 1, device=x.device, dtype=x.dtype)
+    for i in range(steps):
+        t = times[i].expand(x.shape[0])
+        # (1, 1, 1), not 0-dim: a 0-dim fp32 step times a bf16 velocity would stay bf16, while
+        # upstream's (batch, 1, 1) step promotes the update to fp32.
+        step = (times[i + 1] - times[i]).view(1, 1, 1)
+        velocity = velocity_fn(x, t)
+        if uncond_velocity_fn is not None:
+            velocity = guide(velocity, uncond_velocity_fn(x, t), guidance_weight)
+        x = x + step * velocity
+    return x
+
+
+def guide(velocity: torch.Tensor, unguided: torch.Tensor, weight: float) -> torch.Tensor:
+    """Classifier-free guidance (Guided Flows eq. 6)."""
+    return (1 - weight) * unguided + weight * velocity
 
 
 def sample(
@@ -34,44 +118,152 @@ def sample(
 ) -> torch.Tensor:
     """Draw `batch` normalised actions (batch, 64, 2) by `steps` Euler steps.
 
-    x0 = noise * noise_temperature, where noise is randn from `generator` or, if given,
-    init_noise (batch, 64, 2) (a standard-normal draw; still scaled by the temperature).
-    With uncond_velocity_fn, the velocity is classifier-free guided:
-    v = (1 - w) * v_uncond + w * v_cond, w = guidance_weight (w = 1: conditional only).
-    The loop has no host syncs, so a caller can capture it in one CUDA graph.
+    See initial_noise (x0) and integrate (the loop, optionally guided). The loop has no host
+    syncs, so a caller can capture it in one CUDA graph.
     """
-    if batch < 1:
-        raise ValueError(f"batch: must be >= 1, got {batch}")
-    if steps < 1:
-        raise ValueError(f"steps: must be >= 1, got {steps}")
-    if not noise_temperature >= 0:
-        raise ValueError(f"noise_temperature: must be >= 0, got {noise_temperature}")
-    if uncond_velocity_fn is None and guidance_weight != 1.0:
-        raise ValueError(
-            f"guidance_weight: {guidance_weight} needs uncond_velocity_fn (only 1.0 works without)"
+    x0 = initial_noise(
+        batch, noise_temperature=noise_temperature, generator=generator, init_noise=init_noise,
+        device=device, dtype=dtype,
+    )
+    return integrate(
+        velocity_fn, x0, steps=steps, uncond_velocity_fn=uncond_velocity_fn,
+        guidance_weight=guidance_weight,
+    )
+
+
+@dataclass
+class _Runner:
+    """Static buffers (and on CUDA the captured graph) of one (capacity, rows, ...) shape."""
+
+    state: ExpertState  # conditional rows first, then route-free rows when guided
+    x0: torch.Tensor  # (N, 64, 2) fp32, copied in before each run
+    graph: torch.cuda.CUDAGraph | None = None
+    output: torch.Tensor | None = None  # what the graph writes
+
+
+class ExpertSampler:
+    """`sample` over the action expert, fast: one persistent state and CUDA graph per shape.
+
+    A plan's prefix length T is rounded up to a bucket, T + 64 <= capacity = k * bucket, and
+    the padding columns are masked, so one captured graph serves every plan of that bucket
+    and row count (bucket=1: exact lengths, unmasked when nothing else needs a mask). A
+    guided plan runs conditional and route-free rows as one batch, so each step reads the
+    weights once. Graphs are captured lazily on first use of a shape and kept; on CPU (or
+    with cuda_graphs=False) the same states run eagerly.
+
+    Valid while the expert's parameters stay where they are: a graph holds their addresses.
+    """
+
+    def __init__(
+        self,
+        expert: ActionExpertModel,
+        *,
+        bucket: int = 256,
+        cuda_graphs: bool = True,
+        compile_layers: bool = False,
+    ) -> None:
+        if bucket < 1:
+            raise ValueError(f"bucket: must be >= 1, got {bucket}")
+        self.expert = expert
+        self.bucket = bucket
+        self.device = expert.expert.norm.weight.device
+        self.uses_cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._layer_step: LayerStep = prepared_layer_step
+        if compile_layers:
+            # One compile serves all layers: they differ only in weights, which are inputs.
+            self._layer_step = torch.compile(prepared_layer_step, fullgraph=True, dynamic=False)
+        self._runners: dict[tuple[int, int, int, float | None, bool], _Runner] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.uses_cuda_graphs else None
+
+    def capacity_for(self, length: int) -> int:
+        """Key columns of the state for a prefix of `length` tokens."""
+        needed = length + self.expert.config.n_waypoints
+        return -(-needed // self.bucket) * self.bucket
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        cache: PrefixCache,
+        *,
+        steps: int = 10,
+        noise_temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        init_noise: torch.Tensor | None = None,
+        uncond_cache: PrefixCache | None = None,
+        guidance_weight: float = 1.0,
+    ) -> torch.Tensor:
+        """Same result as `sample(lambda x, t: expert.velocity(x, t, cache), ...)`: (N, 64, 2).
+
+        uncond_cache: the route-free prefix, same rows as cache (any length), for guidance.
+        """
+        if steps < 1:
+            raise ValueError(f"steps: must be >= 1, got {steps}")
+        if uncond_cache is None and guidance_weight != 1.0:
+            raise ValueError(
+                f"guidance_weight: {guidance_weight} needs uncond_cache (only 1.0 works without)"
+            )
+        rows = cache.keys[0].shape[0]
+        caches = [cache] if uncond_cache is None else [cache, uncond_cache]
+        if any(c.keys[0].shape[0] != rows for c in caches):
+            raise ValueError(
+                f"uncond_cache: {uncond_cache.keys[0].shape[0]} rows, cache has {rows}"
+            )
+        x0 = initial_noise(
+            rows, noise_temperature=noise_temperature, generator=generator,
+            init_noise=init_noise, device=self.device,
         )
-    if init_noise is None:
-        if generator is None:
-            raise ValueError("generator: required when init_noise is not given")
-        # Drawn on the generator's device, so a CPU generator gives the same noise for CPU
-        # and GPU runs.
-        shape = (batch, *ACTION_SHAPE)
-        noise = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
-    else:
-        if tuple(init_noise.shape) != (batch, *ACTION_SHAPE):
-            expected = (batch, *ACTION_SHAPE)
-            raise ValueError(f"init_noise: expected {expected}, got {tuple(init_noise.shape)}")
-        noise = init_noise
-    x = noise.to(device=device, dtype=dtype) * noise_temperature
-    times = torch.linspace(0.0, 1.0, steps + 1, device=device, dtype=dtype)
-    for i in range(steps):
-        t = times[i].expand(batch)
-        # (1, 1, 1), not 0-dim: a 0-dim fp32 step times a bf16 velocity would stay bf16, while
-        # upstream's (batch, 1, 1) step promotes the update to fp32.
-        step = (times[i + 1] - times[i]).view(1, 1, 1)
-        velocity = velocity_fn(x, t)
-        if uncond_velocity_fn is not None:
-            unguided = uncond_velocity_fn(x, t)
-            velocity = (1 - guidance_weight) * unguided + guidance_weight * velocity
-        x = x + step * velocity
-    return x
+        capacity = self.capacity_for(max(c.length for c in caches))
+        masked = self.bucket > 1 or any(self._needs_mask(c, capacity) for c in caches)
+        weight = None if uncond_cache is None else guidance_weight
+        key = (capacity, rows, steps, weight, masked)
+        runner = self._runners.get(key)
+        fresh = runner is None
+        if fresh:
+            state = self.expert.new_state(rows * len(caches), capacity, masked=masked)
+            runner = _Runner(state=state, x0=torch.zeros_like(x0))
+            self._runners[key] = runner
+            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, mask)")
+        self.expert.load_state(runner.state, caches)
+        runner.x0.copy_(x0)
+        if not self.uses_cuda_graphs:
+            return self._integrate(runner.state, runner.x0, steps, weight)
+        if fresh:
+            self._capture(runner, steps, weight)
+        runner.graph.replay()
+        return runner.output.clone()
+
+    def _needs_mask(self, cache: PrefixCache, capacity: int) -> bool:
+        # The only host sync of a plan, and only for bucket=1: is any prefix column blocked?
+        if cache.length + self.expert.config.n_waypoints != capacity:
+            return True
+        offsets_full = bool((cache.offsets.cpu() >= cache.length).all())
+        return not offsets_full or (cache.valid is not None and not bool(cache.valid.all()))
+
+    def _integrate(
+        self, state: ExpertState, x0: torch.Tensor, steps: int, weight: float | None
+    ) -> torch.Tensor:
+        """Euler loop over a loaded state; guided rows ride along in the same batch."""
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            if weight is None:
+                return self.expert.velocity_prepared(x, t, state, layer_step=self._layer_step)
+            both = self.expert.velocity_prepared(
+                torch.cat([x, x]), torch.cat([t, t]), state, layer_step=self._layer_step
+            )
+            conditional, unguided = both.chunk(2)
+            return guide(conditional, unguided, weight)
+
+        return integrate(velocity, x0, steps=steps)
+
+    def _capture(self, runner: _Runner, steps: int, weight: float | None) -> None:
+        # Warm up on a side stream first (cuBLAS/flash workspaces, torch.compile), as CUDA
+        # graph capture requires; all runners share one memory pool, they never overlap.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._integrate(runner.state, runner.x0, steps, weight)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            runner.output = self._integrate(runner.state, runner.x0, steps, weight)
+        runner.graph = graph

@@ -75,7 +75,7 @@ class Pipeline:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         backend_options: dict[str, Any] | None = None,
-    ) -> "Pipeline":
+    ) -> Pipeline:
         """Load config, tokenizer, expert and the chosen backbone from a checkpoint directory.
 
         dtype defaults to the checkpoint's model_dtype. backend_options go to the vLLM
@@ -101,7 +101,9 @@ class Pipeline:
 
             options = EngineOptions(**{"dtype": str(dtype).removeprefix("torch."), **(backend_options or {})})
             backbone = VLLMBackbone(config, tokenizer.ids, options)
-        logger.info("loaded %s (%s backend, %s, %s) in %.1f s", path, backend, device, dtype, time.perf_counter() - started)
+        logger.info(
+            "loaded %s (%s backend, %s, %s) in %.1f s", path, backend, device, dtype, time.perf_counter() - started
+        )
         return cls(config, tokenizer, backbone, expert, device=device)
 
     # -- inputs --------------------------------------------------------------------------
@@ -196,8 +198,10 @@ class Pipeline:
         return Plan(
             xyz=xyz.float().cpu().numpy(),
             rot=rot.float().cpu().numpy(),
-            coc=[extract_between(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
-                 for row in rollout.generated_ids],
+            coc=[
+                extract_between(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
+                for row in rollout.generated_ids
+            ],
             generated_ids=[list(row) for row in rollout.generated_ids],
             t0_ns=inputs.t0_ns,
             backend=self.backbone.name,

@@ -32,7 +32,6 @@ TRAJECTORY_INSTRUCTION = (
 )
 
 
-
 class CallerText(NamedTuple):
     """Text that came from the caller (route, question): named in errors, never trusted."""
 
@@ -149,7 +148,7 @@ def remove_route_span(input_ids: Sequence[int], tokenizer: AlpamayoTokenizer) ->
         end = ids.index(special["route_end"], start)
     except ValueError:
         raise ValueError("input_ids: no <|route_start|>...<|route_end|> span to remove") from None
-    return ids[:start] + ids[end + 1:]
+    return ids[:start] + ids[end + 1 :]
 
 
 def mrope_positions(
@@ -199,9 +198,7 @@ def mrope_positions(
     return position_ids.to(input_ids.device), rope_delta
 
 
-def build_prompt_inputs(
-    input_ids: Sequence[int], images: PreprocessedImages, *, image_token_id: int
-) -> PromptInputs:
+def build_prompt_inputs(input_ids: Sequence[int], images: PreprocessedImages, *, image_token_id: int) -> PromptInputs:
     """Bundle rendered ids with the preprocessed frames and their M-RoPE positions."""
     device = images.pixel_values.device
     ids = torch.tensor(list(input_ids), dtype=torch.long, device=device)

@@ -24,9 +24,15 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import BACKBONE_PREFIX_MAP, SHARD_INDEX_FILE, SINGLE_FILE
-from .config import CONFIG_FILE, AlpamayoConfig, load_backbone_config
+from .config import CONFIG_FILE, AlpamayoConfig
 from .expert import ActionExpertModel
-from .tokenizer import DEFAULT_TRAJ_VOCAB_SIZE, QWEN3_VOCAB_SIZE, save_tokenizer
+from .tokenizer import (
+    DEFAULT_TRAJ_VOCAB_SIZE,
+    QWEN3_VOCAB_SIZE,
+    extended_vocab_size,
+    save_tokenizer,
+    traj_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +88,20 @@ TINY_BACKBONE: dict[str, Any] = {
 
 #: Expert overrides. Released values are unpublished: kv heads and head_dim are forced by
 #: the backbone cache; hidden 2048 / MLP 6912 / 32 heads is our estimate of the ~2.3B expert.
-TINY_EXPERT = {"head_dim": 32, "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2}
-FULL_EXPERT = {"head_dim": 128, "hidden_size": 2048, "intermediate_size": 6912, "num_attention_heads": 32, "num_key_value_heads": 8}
+TINY_EXPERT = {
+    "head_dim": 32,
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+FULL_EXPERT = {
+    "head_dim": 128,
+    "hidden_size": 2048,
+    "intermediate_size": 6912,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+}
 
 _ACTION_SPACE = {
     "_target_": "alpamayo1_5.action_space.UnicycleAccelCurvatureActionSpace",
@@ -95,10 +113,11 @@ _ACTION_SPACE = {
 }  # fmt: skip
 
 
-def alpamayo_config_json(*, vlm_name_or_path: str, expert_cfg: dict[str, Any], action_hidden: int, dtype: str) -> dict[str, Any]:
+def alpamayo_config_json(
+    *, vlm_name_or_path: str, expert_cfg: dict[str, Any], action_hidden: int, dtype: str
+) -> dict[str, Any]:
     """An Alpamayo 1.5 config.json in upstream's layout (section 11 of the model facts)."""
     traj_vocab = DEFAULT_TRAJ_VOCAB_SIZE
-    first_special = QWEN3_VOCAB_SIZE + traj_vocab
     return {
         "action_in_proj_cfg": {
             "_target_": "alpamayo1_5.models.action_in_proj.PerWaypointActionInProjV2",
@@ -130,10 +149,7 @@ def alpamayo_config_json(*, vlm_name_or_path: str, expert_cfg: dict[str, Any], a
         "model_type": "alpamayo1_5",
         "tokens_per_future_traj": 128,
         "tokens_per_history_traj": 48,
-        "traj_token_ids": {
-            "future": first_special + 16, "future_end": first_special + 14, "future_start": first_special + 12,
-            "history": first_special + 15, "history_end": first_special + 7, "history_start": first_special + 5,
-        },
+        "traj_token_ids": traj_token_ids(traj_vocab),
         "traj_token_start_idx": QWEN3_VOCAB_SIZE,
         "traj_tokenizer_cfg": {
             "_recursive_": False,
@@ -145,7 +161,7 @@ def alpamayo_config_json(*, vlm_name_or_path: str, expert_cfg: dict[str, Any], a
         "transformers_version": "4.57.1",
         "vlm_backend": "qwenvl3",
         "vlm_name_or_path": vlm_name_or_path,
-        "vocab_size": first_special + 28,
+        "vocab_size": extended_vocab_size(traj_vocab),
     }  # fmt: skip
 
 
@@ -160,7 +176,7 @@ def tensor_shapes(config: AlpamayoConfig) -> dict[str, tuple[int, ...]]:
     reverse = {module: ckpt for ckpt, module in BACKBONE_PREFIX_MAP.items()}
     for name, tensor in backbone.state_dict().items():
         module_prefix = next(prefix for prefix in reverse if name.startswith(prefix))
-        shapes[reverse[module_prefix] + name[len(module_prefix):]] = tuple(tensor.shape)
+        shapes[reverse[module_prefix] + name[len(module_prefix) :]] = tuple(tensor.shape)
     for name, tensor in expert.state_dict().items():
         shapes[name] = tuple(tensor.shape)
     return shapes
@@ -268,8 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full-size", action="store_true", help="released architecture (config only)")
     parser.add_argument("--dummy-weights", action="store_true", help="with --full-size: also write random weights")
     parser.add_argument("--device", default="cpu", help="where random weights are drawn (e.g. cuda)")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="weight dtype (default: float32 tiny, bfloat16 full size)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="weight dtype (default: float32 tiny, bfloat16 full size)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.dummy_weights and not args.full_size:

@@ -62,6 +62,24 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _DATA_DIR = Path(__file__).parent / "data"
 
 
+def new_special_ids(traj_vocab_size: int) -> dict[str, int]:
+    """Ids of the added specials: after the `<i*>` tokens, in upstream's key order."""
+    new_keys = [key for key in SPECIAL_TOKEN_KEYS if special_token(key) not in BASE_TOKEN_IDS]
+    first = QWEN3_VOCAB_SIZE + traj_vocab_size
+    return {key: first + index for index, key in enumerate(new_keys)}
+
+
+def extended_vocab_size(traj_vocab_size: int) -> int:
+    """Total ids: Qwen3's, the `<i*>` bins and the added specials (155697 for 4000 bins)."""
+    return QWEN3_VOCAB_SIZE + traj_vocab_size + len(new_special_ids(traj_vocab_size))
+
+
+def traj_token_ids(traj_vocab_size: int) -> dict[str, int]:
+    """The `traj_token_ids` table upstream writes into config.json."""
+    ids = new_special_ids(traj_vocab_size)
+    return {name: ids[key] for name, key in TRAJ_TOKEN_KEYS.items()}
+
+
 def special_token(key: str) -> str:
     """Return the text form of an upstream special-token key (`cot_start` -> `<|cot_start|>`)."""
     return f"<|{key}|>"
@@ -150,7 +168,9 @@ class AlpamayoTokenizer:
         )
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, traj_vocab_size: int = DEFAULT_TRAJ_VOCAB_SIZE) -> "AlpamayoTokenizer":
+    def from_checkpoint(
+        cls, directory: str | Path, traj_vocab_size: int = DEFAULT_TRAJ_VOCAB_SIZE
+    ) -> AlpamayoTokenizer:
         """Load `<dir>/tokenizer.json`, or build the tokenizer when the checkpoint ships none.
 
         The released checkpoint may ship no tokenizer (upstream rebuilds it from the backbone's);
@@ -163,7 +183,7 @@ class AlpamayoTokenizer:
         return cls.build(traj_vocab_size)
 
     @classmethod
-    def build(cls, traj_vocab_size: int = DEFAULT_TRAJ_VOCAB_SIZE) -> "AlpamayoTokenizer":
+    def build(cls, traj_vocab_size: int = DEFAULT_TRAJ_VOCAB_SIZE) -> AlpamayoTokenizer:
         """Build in memory from the Qwen3 base files."""
         return cls(build_hf_tokenizer(traj_vocab_size).backend_tokenizer, traj_vocab_size)
 
@@ -198,16 +218,16 @@ class AlpamayoTokenizer:
             self._expect(token, expected)
         traj_start = self._expect("<i0>", QWEN3_VOCAB_SIZE)
         self._expect(f"<i{traj_vocab_size - 1}>", traj_start + traj_vocab_size - 1)
-        special: dict[str, int] = {}
-        next_id = traj_start + traj_vocab_size
-        for key in SPECIAL_TOKEN_KEYS:
-            if special_token(key) in BASE_TOKEN_IDS:  # <|image_pad|> already existed
-                special[key] = BASE_TOKEN_IDS[special_token(key)]
-                continue
-            special[key] = self._expect(special_token(key), next_id)
-            next_id += 1
-        if len(self) != next_id:
-            raise ValueError(f"tokenizer: {len(self)} tokens, expected {next_id} for traj_vocab_size {traj_vocab_size}")
+        added = new_special_ids(traj_vocab_size)
+        special = {
+            key: self._expect(special_token(key), added.get(key) or BASE_TOKEN_IDS[special_token(key)])
+            for key in SPECIAL_TOKEN_KEYS
+        }
+        expected_size = extended_vocab_size(traj_vocab_size)
+        if len(self) != expected_size:
+            raise ValueError(
+                f"tokenizer: {len(self)} tokens, expected {expected_size} for traj_vocab_size {traj_vocab_size}"
+            )
         return TokenIds(
             pad=BASE_TOKEN_IDS["<|endoftext|>"],
             im_start=BASE_TOKEN_IDS["<|im_start|>"],
@@ -237,4 +257,4 @@ def extract_between(text: str, key: str) -> str:
         return ""
     start = special_token(f"{key}_start")
     index = before_end.rfind(start)
-    return (before_end[index + len(start):] if index != -1 else before_end).strip()
+    return (before_end[index + len(start) :] if index != -1 else before_end).strip()

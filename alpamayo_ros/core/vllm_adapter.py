@@ -44,6 +44,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.parse import DictEmbeddingItems
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +416,59 @@ class CaptureKVConnector(KVConnectorBase_V1):
 
 
 # ----------------------------------------------------------------------------------------
+# Logits mask
+# ----------------------------------------------------------------------------------------
+
+_MASK_KEY = "alpamayo_masked_ids"  # SamplingParams.extra_args key: (start, end) id range
+
+
+class TokenRangeMask(LogitsProcessor):
+    """Sets the logits of a request's id range [start, end) to -inf (upstream's <i*> mask).
+
+    Runs before temperature and top-p, like upstream's logits processor. One indexed fill
+    per distinct range and step, instead of vLLM's allowed_token_ids, whose per-request cost
+    is a Python pass over the whole vocabulary.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self._device = device
+        self._ranges: dict[int, tuple[int, int]] = {}  # batch row -> (start, end)
+        self._groups: list[tuple[torch.Tensor, int, int]] = []  # (rows, start, end)
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        _masked_range(sampling_params)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if process_dict_updates(self._ranges, batch_update, lambda params, _, __: _masked_range(params)):
+            by_range: dict[tuple[int, int], list[int]] = {}
+            for row, span in self._ranges.items():
+                by_range.setdefault(span, []).append(row)
+            self._groups = [
+                (torch.tensor(rows, dtype=torch.long, device=self._device), start, end)
+                for (start, end), rows in by_range.items()
+            ]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for rows, start, end in self._groups:
+            logits[rows, start:end] = float("-inf")
+        return logits
+
+
+def _masked_range(params: SamplingParams) -> tuple[int, int] | None:
+    span = (params.extra_args or {}).get(_MASK_KEY)
+    if span is None:
+        return None
+    start, end = span
+    if not 0 <= start < end:
+        raise ValueError(f"extra_args[{_MASK_KEY!r}]: expected 0 <= start < end, got {span}")
+    return int(start), int(end)
+
+
+# ----------------------------------------------------------------------------------------
 # Engine and requests
 # ----------------------------------------------------------------------------------------
 
@@ -447,6 +501,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         limit_mm_per_prompt={"image": options.max_images, "video": 0},
         enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
+        logits_processors=[f"{__name__}:{TokenRangeMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
         **extra,
     )
@@ -463,22 +518,22 @@ def sampling_params(
     top_p: float,
     max_tokens: int,
     seed: int,
-    allowed_token_ids: list[int] | None = None,
+    masked_ids: tuple[int, int] | None = None,
     stop_token_ids: list[int] | None = None,
 ) -> SamplingParams:
     """One row's sampling: ids only, cumulative outputs; only stop_token_ids end a row early
-    (kept in its ids), never the tokenizer's EOS."""
+    (kept in its ids), never the tokenizer's EOS. masked_ids: [start, end) never sampled."""
     return SamplingParams(
         n=1,
         temperature=temperature,
         top_p=top_p,
         max_tokens=max_tokens,
         seed=seed,
-        allowed_token_ids=allowed_token_ids,
         stop_token_ids=stop_token_ids,
         ignore_eos=True,
         detokenize=False,
         output_kind=RequestOutputKind.CUMULATIVE,
+        extra_args={_MASK_KEY: masked_ids} if masked_ids is not None else None,
     )
 
 
@@ -533,3 +588,9 @@ def run_requests(
     if missing:
         raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
     return [RequestResult(*seen[ext], captured[ext]) for ext in external]
+
+
+def engine_parameters(llm: LLM) -> list[torch.Tensor]:
+    """The parameters of the model inside the engine (in-process engines only)."""
+    (params,) = llm.llm_engine.apply_model(lambda model: list(model.parameters()))
+    return params

@@ -253,3 +253,145 @@ def _jpeg(rgb: np.ndarray) -> bytes:
     if not ok:
         raise ValueError(f"rgb: JPEG encoding failed for shape {rgb.shape}")
     return data.tobytes()
+
+
+def _start_node(params_file: Path, log_path: Path) -> subprocess.Popen:
+    """The drive node's console script as a separate process (stdout+stderr to log_path)."""
+    script = Path(sys.executable).with_name(NODE)
+    command = [str(script) if script.exists() else shutil.which(NODE) or NODE, "--ros-args", "--params-file", str(params_file)]
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop_node
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    process.log_file = log  # type: ignore[attr-defined]
+    return process
+
+
+def _stop_node(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        process.send_signal(2)  # SIGINT: a clean DDS shutdown
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+    process.log_file.close()  # type: ignore[attr-defined]
+    return process.returncode
+
+
+def _write_params(path: Path, parameters: dict[str, Any]) -> None:
+    import yaml
+
+    nested: dict[str, Any] = {}
+    for name, value in parameters.items():
+        *groups, leaf = name.split(".")
+        target = nested
+        for group in groups:
+            target = target.setdefault(group, {})
+        target[leaf] = value
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": nested}}, sort_keys=False))
+
+
+def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    """Drive, record, evaluate; returns the report document (also in opts.out/report.json)."""
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "session", ignore_errors=True)  # this demo's own outputs of an earlier run
+    for old in out.glob("*.png"):
+        old.unlink()
+    logger.warning(DISCLAIMER)
+    checkpoint = opts.checkpoint
+    if checkpoint is None:
+        from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
+
+        checkpoint = write_checkpoint(out / "checkpoint")
+        logger.info("wrote a tiny random checkpoint to %s", checkpoint)
+    rig = default_rig(opts.width, opts.height)
+    params_file = out / "drive.yaml"
+    _write_params(params_file, node_parameters(opts, rig, checkpoint))
+    bag = out / "session"
+    started = time.monotonic()
+    rclpy.init()
+    node_process = _start_node(params_file, out / "node.log")
+    scene = None
+    try:
+        with BagWriter(bag, storage="mcap") as writer:
+            scene = DemoScene(opts, rig, writer)
+            logger.info("waiting for the drive node (model load and warm-up; log: %s)", out / "node.log")
+            scene.wait_until_ready(node_process)
+            logger.info("node ready after %.0f s; driving %.0f simulated seconds", time.monotonic() - started, opts.duration_s)
+            scene.follower.log_pose(scene.sim_ns, scene.vehicle.pose)
+            scene.drive(node_process)
+            scene.spin(0.5)  # let the last outputs arrive before the recording closes
+            drive = {"plans_followed": len(scene.follower.world_plans), "clamped_steps": scene.vehicle.clamped_steps,
+                     "plans_waited_out": scene.plans_waited_out, "recorded": dict(scene.recorder.counts),
+                     "node_state": scene.node_state, "drive_wall_s": time.monotonic() - started}
+            driven = np.array([[p.x, p.y] for _, p in sorted(scene.follower.poses.items())])
+            world_plans, road = scene.follower.world_plans, scene.road
+    finally:
+        code = _stop_node(node_process)
+        if scene is not None:
+            scene.close()
+        rclpy.try_shutdown()
+    logger.info("drive recorded to %s (node exit code %d); evaluating", bag, code)
+    return evaluate_session(opts, bag, params_file, rig, drive, driven, world_plans, road)
+
+
+def evaluate_session(opts: DemoOptions, bag: Path, params_file: Path, rig: Sequence[PinholeCamera], drive: dict[str, Any],
+                     driven: np.ndarray, world_plans: list[np.ndarray], road: Road) -> dict[str, Any]:
+    """Score the node's plans and re-plan at its t0s with the evaluator; write the report."""
+    settings = drive_settings(params_file, {})
+    meta: dict[str, Any] = {"checkpoint": settings.checkpoint_path, "backend": settings.backend, "demo": drive,
+                            "disclaimer": DISCLAIMER}
+    results = []
+    try:
+        recorded = RecordedPlans(bag, TRAJECTORIES)
+    except ValueError as exc:  # the node published nothing: still report why
+        logger.error("no plans recorded: %s", exc)
+        recorded = None
+    if recorded is not None:
+        online = evaluate_bag(bag, recorded, settings, t0s_ns=recorded.t0s_ns)
+        meta["online_plans"] = {"count": len(recorded.t0s_ns), **summarize(t.score for t in online.scored)}
+        from alpamayo_ros.core.pipeline import Pipeline  # torch only now
+
+        pipeline = Pipeline.from_checkpoint(settings.checkpoint_path, backend=settings.backend, device=settings.device,
+                                            dtype=settings.dtype, backend_options=settings.backend_options)
+        offline = evaluate_bag(bag, pipeline, settings, t0s_ns=recorded.t0s_ns, progress=True)
+        differences = plan_differences(offline, recorded)
+        meta["replan_compared"] = len(differences)
+        meta["replan_max_difference_m"] = max(differences.values()) if differences else None
+        results.append(offline)
+    front = next((c for c in rig if c.index == 1), rig[0])
+    fx, fy, cx, cy = front.intrinsics
+    camera = report.CameraProjection(fx, fy, cx, cy, front.width, front.height, front.x_m, front.y_m, front.z_m, front.yaw)
+    out = opts.out
+    report.plot_drive_map(out / "drive_map.png", road.centerline, road.lane_width_m, driven, world_plans)
+    options = ReportOptions(bev_plots=3, camera=camera, camera_index=front.index, notes=(DISCLAIMER,),
+                            extra_plots=("drive_map.png",))
+    return write_report(out, results, settings, options, meta)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="alpamayo-demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="output directory")
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: a tiny random one in OUT/checkpoint)")
+    parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds to drive")
+    parser.add_argument("--rate", type=float, default=1.0, help="planning rate (Hz)")
+    parser.add_argument("--max-reasoning-tokens", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="model.device of the node (cuda for real weights on a GPU)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    extra = {"model.device": args.device} if args.device != "cpu" else {}
+    opts = DemoOptions(out=args.out, checkpoint=args.checkpoint, duration_s=args.duration, rate_hz=args.rate,
+                       max_reasoning_tokens=args.max_reasoning_tokens, extra_params=extra)
+    doc = run_demo(opts)
+    s = doc["summary"]
+    online = doc.get("online_plans", {})
+    print(f"\n{DISCLAIMER}\n")
+    print(f"node plans followed: {doc['demo']['plans_followed']}, scored online: {online.get('count', 0)}; "
+          f"re-planned offline: {s['count']} (minADE {s['min_ade_mean']:.2f} m, minFDE {s['min_fde_mean']:.2f} m); "
+          f"largest offline-vs-node plan difference: {doc.get('replan_max_difference_m')}")
+    print(f"recording: {opts.out / 'session'}\nreport:    {opts.out / 'report.md'} (+ report.json, "
+          f"{len(doc['plots'])} PNG plots)")
+
+
+if __name__ == "__main__":
+    main()

@@ -299,12 +299,14 @@ def _tick(tick: int, feed: InputFeed, track: OdometryTrack, planner: Planner, se
 @dataclass(frozen=True)
 class ReportOptions:
     """What to draw: BEV plots of this many ticks (spread over the bags) and, with a camera
-    projection, the front camera with the projected paths."""
+    projection, that camera's t0 frame with the projected paths; extra_plots are PNGs the
+    caller already wrote into the report directory."""
 
     bev_plots: int = 4
     camera: report.CameraProjection | None = None
     camera_index: int = 1
     notes: tuple[str, ...] = ()
+    extra_plots: tuple[str, ...] = ()
 
 
 def write_report(out: Path, results: Sequence[BagResult], settings: DriveSettings,
@@ -317,7 +319,7 @@ def write_report(out: Path, results: Sequence[BagResult], settings: DriveSetting
         skipped.update(r.skipped())
     ticks_total = sum(len(r.ticks) for r in results)
     totals = [t.plan.timings_ms.get("total") for t in scored if t.plan is not None and "total" in t.plan.timings_ms]
-    plots: list[str] = []
+    plots: list[str] = list(options.extra_plots)
     for r in results:
         if r.scored:
             name = f"metrics_{len(plots)}_{r.bag.name}.png"

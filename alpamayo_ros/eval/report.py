@@ -163,3 +163,33 @@ def plot_camera(path: Path, image: np.ndarray, camera: CameraProjection, pred_xy
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_drive_map(path: Path, centerline: np.ndarray, lane_width_m: float, driven_xy: np.ndarray,
+                   plans_xy: Sequence[np.ndarray]) -> None:
+    """World map of a closed-loop drive: road, the path driven and every plan followed."""
+    fig, ax = plt.subplots(figsize=(7, 7), dpi=100)
+    lo = driven_xy.min(0) - 40 if len(driven_xy) else centerline.min(0)
+    hi = driven_xy.max(0) + 40 if len(driven_xy) else centerline.max(0)
+    near = np.all((centerline >= lo) & (centerline <= hi), axis=1)
+    heading = np.arctan2(np.gradient(centerline[:, 1]), np.gradient(centerline[:, 0]))
+    normal = np.stack([-np.sin(heading), np.cos(heading)], -1)
+    for offset, style in ((lane_width_m, "k-"), (0.0, "k--"), (-lane_width_m, "k-")):
+        edge = np.where(near[:, None], centerline + offset * normal, np.nan)
+        ax.plot(edge[:, 0], edge[:, 1], style, lw=0.8, alpha=0.6)
+    for k, plan in enumerate(plans_xy):
+        ax.plot(plan[:, 0], plan[:, 1], "-", color="tab:orange", lw=0.8, alpha=0.7, label="plans" if k == 0 else None)
+    if len(driven_xy):
+        ax.plot(driven_xy[:, 0], driven_xy[:, 1], "-", color="tab:blue", lw=2, label="driven")
+        ax.plot(*driven_xy[0], "go", label="start")
+    ax.set_xlim(lo[0], hi[0])
+    ax.set_ylim(lo[1], hi[1])
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.set_xlabel("x (m)")
+    ax.set_ylabel("y (m)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title("closed-loop drive (world frame)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

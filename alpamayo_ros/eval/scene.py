@@ -135,6 +135,7 @@ class Vehicle:
     road: Road
     pose: Pose2D
     speed: float = 8.0
+    min_speed: float = 0.0  # > 0 keeps a plan that stops from stalling a demo for good
     max_speed: float = 15.0
     max_yaw_rate: float = 0.5  # rad/s
     max_lateral_m: float = 3.0  # from the right-lane center
@@ -159,8 +160,8 @@ class Vehicle:
         self._step_toward(target_xy, max(0.0, along), dt)
 
     def _step_toward(self, target_xy: np.ndarray, distance: float, dt: float) -> None:
-        step = min(distance, self.max_speed * dt)
-        if step < distance - 1e-9:
+        step = min(max(distance, self.min_speed * dt), self.max_speed * dt)
+        if abs(step - distance) > 1e-9:
             self.clamped_steps += 1
         delta = target_xy - self.pose.xy
         if float(np.hypot(*delta)) > 1e-6:

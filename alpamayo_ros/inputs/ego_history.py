@@ -126,7 +126,9 @@ class OdometryBuffer:
             self._stamps.popleft()
             self._xyz.popleft()
             self._quat.popleft()
-        while self._nonfinite_ns and (len(self._nonfinite_ns) > MAX_SAMPLES_BUFFERED or self._nonfinite_ns[0] < horizon):
+        while self._nonfinite_ns and (
+            len(self._nonfinite_ns) > MAX_SAMPLES_BUFFERED or self._nonfinite_ns[0] < horizon
+        ):
             self._nonfinite_ns.popleft()
 
     def history(self, t0_ns: int) -> EgoHistory | Rejection:

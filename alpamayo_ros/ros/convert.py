@@ -54,7 +54,9 @@ def ns_to_stamp(ns: int) -> Time:
 def raw_image_to_rgb(msg: Image) -> np.ndarray:
     """H x W x 3 uint8 RGB copy of a raw Image (8-bit encodings only)."""
     if msg.encoding not in RAW_ENCODINGS:
-        raise ImageRejected("unsupported_encoding", f"encoding {msg.encoding!r} (supported: {', '.join(RAW_ENCODINGS)})")
+        raise ImageRejected(
+            "unsupported_encoding", f"encoding {msg.encoding!r} (supported: {', '.join(RAW_ENCODINGS)})"
+        )
     channels, conversion = RAW_ENCODINGS[msg.encoding]
     height, width, step = msg.height, msg.width, msg.step
     if height == 0 or width == 0:
@@ -114,7 +116,9 @@ def select_sample(xyz: np.ndarray, policy: str) -> tuple[int, np.ndarray]:
     raise ValueError(f"policy: {policy!r} is not first, medoid or all")
 
 
-def to_frame(xyz: np.ndarray, rot: np.ndarray, xyz_t0: np.ndarray | None, rot_t0: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def to_frame(
+    xyz: np.ndarray, rot: np.ndarray, xyz_t0: np.ndarray | None, rot_t0: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Map t0-ego-frame poses into the odometry frame (identity when xyz_t0 is None)."""
     if xyz_t0 is None or rot_t0 is None:
         return xyz.astype(np.float64), rot.astype(np.float64)
@@ -165,7 +169,9 @@ def path_message(header: Header, xyz: np.ndarray, rot: np.ndarray, dt_s: float) 
     return Path(
         header=header,
         poses=[
-            PoseStamped(header=Header(stamp=ns_to_stamp(t0_ns + (k + 1) * step_ns), frame_id=header.frame_id), pose=pose)
+            PoseStamped(
+                header=Header(stamp=ns_to_stamp(t0_ns + (k + 1) * step_ns), frame_id=header.frame_id), pose=pose
+            )
             for k, pose in enumerate(poses)
         ],
     )
@@ -187,7 +193,9 @@ def trajectory_set_message(
     )
 
 
-def marker_array_message(header: Header, xyz: np.ndarray, selected: int, coc: str, text_position: np.ndarray) -> MarkerArray:
+def marker_array_message(
+    header: Header, xyz: np.ndarray, selected: int, coc: str, text_position: np.ndarray
+) -> MarkerArray:
     """A line strip per sample (selected one wide and green) plus the reasoning as text."""
     markers = [Marker(header=header, action=Marker.DELETEALL)]  # drop lines of a previous, larger plan
     for index, sample in enumerate(xyz):

@@ -34,18 +34,27 @@ from std_msgs.msg import Header, String
 from visualization_msgs.msg import MarkerArray
 
 from alpamayo_ros.core.types import WAYPOINT_DT_S, DrivingInput, Plan, SamplingSettings
-from alpamayo_ros.inputs import Rejection
+from alpamayo_ros.inputs import RejectReason, Rejection
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
 from alpamayo_ros.inputs.ego_history import OdometryBuffer
 from alpamayo_ros.inputs.frame_sync import FrameSync
 from alpamayo_ros.ros import convert, qos
-from alpamayo_ros.ros.params import SPECS, CameraInput, ParameterError, check_value, declare_parameters, parse_settings, sampling_settings
+from alpamayo_ros.ros.params import (
+    SPECS,
+    CameraInput,
+    ParameterError,
+    check_value,
+    declare_parameters,
+    parse_settings,
+    sampling_settings,
+)
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet
 
 NODE_NAME = "alpamayo_drive"
 LOG_THROTTLE_S = 5.0
 WARMUP_SIZE = (576, 320)  # (width, height) of warm-up frames when images.* keep native size
 NS_PER_MS = 1_000_000
+CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -83,7 +92,9 @@ class Stats:
     warmup_ms: float = math.nan
 
 
-def gate_plan(plan: Plan, history_xyz: np.ndarray, history_dt_s: float, max_first_waypoint_error_m: float) -> tuple[str, str] | None:
+def gate_plan(
+    plan: Plan, history_xyz: np.ndarray, history_dt_s: float, max_first_waypoint_error_m: float
+) -> tuple[str, str] | None:
     """(reason, detail) when a plan must not be published, else None.
 
     The first waypoint (t0 + one step) must lie where the history's last speed puts the ego,
@@ -129,7 +140,12 @@ class DriveNode(Node):
 
         camera_qos, odometry_qos = qos.camera_profile(settings.qos), qos.odometry_profile(settings.qos)
         navigation_qos, output_qos = qos.navigation_profile(settings.qos), qos.output_profile(settings.qos)
-        for name, chosen in (("cameras", camera_qos), ("odometry", odometry_qos), ("navigation", navigation_qos), ("outputs", output_qos)):
+        for name, chosen in (
+            ("cameras", camera_qos),
+            ("odometry", odometry_qos),
+            ("navigation", navigation_qos),
+            ("outputs", output_qos),
+        ):
             self.get_logger().info(f"QoS {qos.describe(name, chosen)}")
         for camera in settings.cameras:
             message_type = Image if camera.transport == "raw" else CompressedImage
@@ -139,8 +155,20 @@ class DriveNode(Node):
             )  # fmt: skip
             self.get_logger().info(f"camera {camera.index} <- {camera.topic} ({camera.transport})")
         state_group = MutuallyExclusiveCallbackGroup()  # odometry stays in stamp order
-        self.create_subscription(Odometry, settings.odometry_topic, partial(self._guarded, self._on_odometry), odometry_qos, callback_group=state_group)
-        self.create_subscription(String, settings.navigation_topic, partial(self._guarded, self._on_navigation), navigation_qos, callback_group=state_group)
+        self.create_subscription(
+            Odometry,
+            settings.odometry_topic,
+            partial(self._guarded, self._on_odometry),
+            odometry_qos,
+            callback_group=state_group,
+        )
+        self.create_subscription(
+            String,
+            settings.navigation_topic,
+            partial(self._guarded, self._on_navigation),
+            navigation_qos,
+            callback_group=state_group,
+        )
 
         self._path_pub = self.create_publisher(Path, "~/output/path", output_qos)
         self._trajectories_pub = self.create_publisher(TrajectorySet, "~/output/trajectories", output_qos)
@@ -150,8 +178,14 @@ class DriveNode(Node):
         self._markers_pub = self.create_publisher(MarkerArray, "~/debug/markers", output_qos)
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", output_qos)
 
-        self.create_timer(settings.planning_period_s, partial(self._guarded, self._on_planning_tick), MutuallyExclusiveCallbackGroup())
-        self.create_timer(settings.diagnostics_period_s, partial(self._guarded, self._publish_diagnostics), MutuallyExclusiveCallbackGroup())
+        self.create_timer(
+            settings.planning_period_s, partial(self._guarded, self._on_planning_tick), MutuallyExclusiveCallbackGroup()
+        )
+        self.create_timer(
+            settings.diagnostics_period_s,
+            partial(self._guarded, self._publish_diagnostics),
+            MutuallyExclusiveCallbackGroup(),
+        )
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.add_post_set_parameters_callback(self._after_set_parameters)
 
@@ -182,7 +216,9 @@ class DriveNode(Node):
             with self._lock:
                 self._camera_errors[camera.index] = exc
                 self._stats.dropped[exc.reason] += 1
-            self.get_logger().warning(f"camera {camera.index} ({camera.topic}): dropped frame: {exc}", throttle_duration_sec=LOG_THROTTLE_S)
+            self.get_logger().warning(
+                f"camera {camera.index} ({camera.topic}): dropped frame: {exc}", throttle_duration_sec=LOG_THROTTLE_S
+            )
             return
         stamp_ns = convert.stamp_to_ns(msg.header.stamp)
         with self._lock:
@@ -206,34 +242,48 @@ class DriveNode(Node):
     def _on_planning_tick(self) -> None:
         now_ns = self._now_ns()
         with self._lock:
-            self._stats.ticks += 1
-            if self._last_tick_ns is not None and now_ns < self._last_tick_ns:
-                detail = f"node clock went back {(self._last_tick_ns - now_ns) / 1e9:.3f} s"
-                self._frame_sync.reset(detail)
-                self._odometry.reset(detail)
-                self._last_planned_t0_ns = -1
-            self._last_tick_ns = now_ns
-            if self._stats.state != "ready":
-                return
-            if self._busy:
-                self._stats.overruns += 1
-                return
-            assembled = self._assemble(now_ns)
-            if isinstance(assembled, Rejection):
-                self._record_rejection(assembled.reason.value, assembled.detail)
-                return
-            if isinstance(assembled, tuple):
-                self._record_rejection(*assembled)
-                return
-            if assembled.driving_input.t0_ns <= self._last_planned_t0_ns:
-                self._stats.repeated_t0 += 1
-                return
-            self._last_planned_t0_ns = assembled.driving_input.t0_ns
-            job = PlanJob(assembled, self._sampling, self._selection, self._max_first_waypoint_error_m, assembled.driving_input.route_text or "")
-            self._busy = True
-        with self._wakeup:
-            self._job = job
-            self._wakeup.notify()
+            outcome = self._take_tick(now_ns)
+            reason_changed = isinstance(outcome, tuple) and self._record_rejection(*outcome)
+        if isinstance(outcome, PlanJob):
+            with self._wakeup:
+                self._job = outcome
+                self._wakeup.notify()
+        elif reason_changed:
+            self._publish_diagnostics()  # every new reason reaches diagnostics, not just the 1 Hz sample
+
+    def _take_tick(self, now_ns: int) -> PlanJob | tuple[str, str] | None:
+        """Decide one tick under the lock: a job for the worker, a rejection, or nothing to do."""
+        self._stats.ticks += 1
+        if self._last_tick_ns is not None and now_ns < self._last_tick_ns:
+            detail = f"node clock went back {(self._last_tick_ns - now_ns) / 1e9:.3f} s"
+            self._frame_sync.reset(detail)
+            self._odometry.reset(detail)
+            self._last_planned_t0_ns = -1
+        self._last_tick_ns = now_ns
+        if self._stats.state != "ready":
+            return None
+        if self._busy:
+            self._stats.overruns += 1
+            return None
+        assembled = self._assemble(now_ns)
+        if isinstance(assembled, Rejection):
+            if assembled.reason is RejectReason.TIME_BACKWARDS:
+                self._last_planned_t0_ns = -1  # the new timeline's t0s are all smaller
+            return assembled.reason.value, assembled.detail
+        if isinstance(assembled, tuple):
+            return assembled
+        if assembled.driving_input.t0_ns <= self._last_planned_t0_ns:
+            self._stats.repeated_t0 += 1
+            return None
+        self._last_planned_t0_ns = assembled.driving_input.t0_ns
+        self._busy = True
+        return PlanJob(
+            assembly=assembled,
+            sampling=self._sampling,
+            selection=self._selection,
+            max_first_waypoint_error_m=self._max_first_waypoint_error_m,
+            route_text=assembled.driving_input.route_text or "",
+        )
 
     def _assemble(self, now_ns: int) -> Assembly | Rejection | tuple[str, str]:
         """Build the input under the lock; a camera whose newest message was bad blocks planning."""
@@ -248,12 +298,14 @@ class DriveNode(Node):
             route_text = text if max_age_ns == 0 or now_ns - arrived_ns <= max_age_ns else None
         return build_driving_input(self._frame_sync, self._odometry, now_ns=now_ns, route_text=route_text)
 
-    def _record_rejection(self, reason: str, detail: str) -> None:
-        """Count a skipped tick (caller holds the lock)."""
+    def _record_rejection(self, reason: str, detail: str) -> bool:
+        """Count a skipped plan (caller holds the lock); True when the reason is new."""
+        changed = self._stats.outcome != "rejected" or not self._stats.last_rejection.startswith(f"{reason}:")
         self._stats.rejected[reason] += 1
         self._stats.outcome = "rejected"
         self._stats.last_rejection = f"{reason}: {detail}"
         self.get_logger().warning(f"no plan: {reason}: {detail}", throttle_duration_sec=LOG_THROTTLE_S)
+        return changed
 
     def _on_set_parameters(self, parameters: list[Parameter]) -> SetParametersResult:
         """Validate runtime changes (only sampling.* and gates.* are writable)."""
@@ -281,22 +333,27 @@ class DriveNode(Node):
 
     def _worker_main(self) -> None:
         """Load and warm up the model, then run jobs until close()."""
-        if not self._load_model():
-            return
-        while True:
-            with self._wakeup:
-                while self._job is None and not self._stopping:
-                    self._wakeup.wait()
-                if self._stopping:
-                    return
-                job, self._job = self._job, None
-            try:
-                self._run(job)
-            except Exception as exc:  # noqa: BLE001 - reported, and the worker keeps serving
-                self._record_error("internal_error", exc)
-            finally:
-                with self._lock:
-                    self._busy = False
+        try:
+            if not self._load_model():
+                return
+            while True:
+                with self._wakeup:
+                    while self._job is None and not self._stopping:
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                    job, self._job = self._job, None
+                try:
+                    self._run(job)
+                except Exception as exc:  # noqa: BLE001 - reported, and the worker keeps serving
+                    if not self._stopping:
+                        self._record_error("internal_error", exc)
+                finally:
+                    with self._lock:
+                        self._busy = False
+        except Exception as exc:  # noqa: BLE001 - only publishing after shutdown gets here
+            if not self._stopping:
+                self.get_logger().error(f"inference worker stopped: {exc!r}")
 
     def _load_model(self) -> bool:
         settings = self.settings
@@ -311,7 +368,9 @@ class DriveNode(Node):
             load_ms = (time.perf_counter() - started) * 1e3
             with self._lock:
                 self._stats.load_ms, self._stats.state = load_ms, "warming_up"
-            self.get_logger().info(f"model {settings.model_id} loaded ({settings.backend}, {settings.device}) in {load_ms:.0f} ms")
+            self.get_logger().info(
+                f"model {settings.model_id} loaded ({settings.backend}, {settings.device}) in {load_ms:.0f} ms"
+            )
             started = time.perf_counter()
             self._pipeline.plan(self._warmup_input(), self._sampling)
             warmup_ms = (time.perf_counter() - started) * 1e3
@@ -357,7 +416,9 @@ class DriveNode(Node):
         except Exception as exc:  # noqa: BLE001 - a model failure skips this plan only
             self._record_error("model_error", exc)
             return
-        gate = gate_plan(plan, driving_input.ego_history_xyz, self.settings.ego_history.dt_ns / 1e9, job.max_first_waypoint_error_m)
+        gate = gate_plan(
+            plan, driving_input.ego_history_xyz, self.settings.ego_history.dt_ns / 1e9, job.max_first_waypoint_error_m
+        )
         if gate is not None:
             with self._lock:
                 self._record_rejection(*gate)
@@ -392,7 +453,9 @@ class DriveNode(Node):
         selected, scores = convert.select_sample(plan.xyz, job.selection)
         shown = max(selected, 0)
         coc = plan.coc[shown] if plan.coc else ""
-        self._trajectories_pub.publish(convert.trajectory_set_message(header, xyz, rot, WAYPOINT_DT_S, scores, selected, job.selection))
+        self._trajectories_pub.publish(
+            convert.trajectory_set_message(header, xyz, rot, WAYPOINT_DT_S, scores, selected, job.selection)
+        )
         self._reasoning_pub.publish(
             Reasoning(
                 header=header, coc=coc, sample_cocs=list(plan.coc), navigation_command=job.route_text,
@@ -428,7 +491,9 @@ class DriveNode(Node):
         now_ns = self._now_ns()
         with self._lock:
             status = self._diagnostic_status(now_ns)
-        self._diagnostics_pub.publish(DiagnosticArray(header=Header(stamp=convert.ns_to_stamp(now_ns)), status=[status]))
+        self._diagnostics_pub.publish(
+            DiagnosticArray(header=Header(stamp=convert.ns_to_stamp(now_ns)), status=[status])
+        )
 
     def _diagnostic_status(self, now_ns: int) -> DiagnosticStatus:
         """One status for the whole node (caller holds the lock)."""
@@ -486,11 +551,16 @@ class DriveNode(Node):
         return self.get_clock().now().nanoseconds
 
     def close(self) -> None:
-        """Stop the worker; a plan in flight is abandoned (the thread is a daemon)."""
+        """Stop the worker, letting a plan in flight finish (plans are bounded by the token cap).
+
+        Exiting while the worker is inside torch aborts the interpreter at shutdown.
+        """
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        self._worker.join(timeout=2.0)
+        self._worker.join(timeout=CLOSE_TIMEOUT_S)
+        if self._worker.is_alive():
+            self.get_logger().warning(f"inference still running after {CLOSE_TIMEOUT_S:.0f} s; exiting anyway")
 
 
 def _format(value: Any) -> str:

@@ -51,73 +51,241 @@ class ParamSpec:
     dynamic: bool = False  # may be changed while running (validated in the on-set callback)
 
 
-def _spec(name: str, default: Any, description: str, **kwargs: Any) -> ParamSpec:
-    return ParamSpec(name, default, description, **kwargs)
-
-
 PARAMETERS: tuple[ParamSpec, ...] = (
     # model
-    _spec("model.checkpoint_path", "", "Checkpoint directory (config.json, safetensors, tokenizer). Required."),
-    _spec("model.backend", "hf", "Backbone backend: hf (transformers reference) or vllm (in-process engine).", choices=("hf", "vllm")),
-    _spec("model.device", "cpu", "Torch device: cpu, cuda or cuda:N."),
-    _spec("model.dtype", "auto", "Model weights dtype; auto = the checkpoint's.", choices=("auto", "float32", "bfloat16", "float16")),
-    _spec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),
-    _spec("vllm.dtype", "auto", "vLLM engine dtype; auto = model.dtype.", choices=("auto", "float32", "bfloat16", "float16")),
-    _spec("vllm.gpu_memory_utilization", 0.85, "Fraction of GPU memory the vLLM engine may reserve.", minimum=0.05, maximum=1.0),
-    _spec("vllm.max_model_len", 8192, "vLLM context length (tokens); must hold prompt + reasoning.", minimum=1024, maximum=262144),
-    _spec("vllm.tensor_parallel_size", 1, "GPUs the vLLM backbone is split over (the in-process K/V capture supports 1).", minimum=1, maximum=8),
-    _spec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
-    _spec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
+    ParamSpec("model.checkpoint_path", "", "Checkpoint directory (config.json, safetensors, tokenizer). Required."),
+    ParamSpec(
+        "model.backend",
+        "hf",
+        "Backbone backend: hf (transformers reference) or vllm (in-process engine).",
+        choices=("hf", "vllm"),
+    ),
+    ParamSpec("model.device", "cpu", "Torch device: cpu, cuda or cuda:N."),
+    ParamSpec(
+        "model.dtype",
+        "auto",
+        "Model weights dtype; auto = the checkpoint's.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    ParamSpec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),
+    ParamSpec(
+        "vllm.dtype",
+        "auto",
+        "vLLM engine dtype; auto = model.dtype.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    ParamSpec(
+        "vllm.gpu_memory_utilization",
+        0.85,
+        "Fraction of GPU memory the vLLM engine may reserve.",
+        minimum=0.05,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "vllm.max_model_len",
+        8192,
+        "vLLM context length (tokens); must hold prompt + reasoning.",
+        minimum=1024,
+        maximum=262144,
+    ),
+    ParamSpec(
+        "vllm.tensor_parallel_size",
+        1,
+        "GPUs the vLLM backbone is split over (the in-process K/V capture supports 1).",
+        minimum=1,
+        maximum=8,
+    ),
+    ParamSpec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
+    ParamSpec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
     # cameras
-    _spec("cameras.topics", ["/camera/cross_left/image/compressed", "/camera/front_wide/image/compressed",
-                             "/camera/cross_right/image/compressed", "/camera/front_tele/image/compressed"],
-          "Camera image topics, one per entry of cameras.indices."),
-    _spec("cameras.indices", [0, 1, 2, 6],
-          "Upstream camera index of each topic: 0 cross left, 1 front wide, 2 cross right, 3 rear left, "
-          "4 rear tele, 5 rear right, 6 front tele. Unique."),
-    _spec("cameras.transports", ["compressed", "compressed", "compressed", "compressed"],
-          "Per topic: raw (sensor_msgs/Image) or compressed (sensor_msgs/CompressedImage, JPEG/PNG)."),
-    _spec("cameras.frames", FRAMES_PER_CAMERA, "Frames per camera given to the model (t0 - (n-1)*spacing ... t0).", minimum=1, maximum=8),
-    _spec("cameras.frame_spacing_s", 0.1, "Time between a camera's model frames.", minimum=0.01, maximum=1.0),
-    _spec("cameras.max_frame_error_s", 0.05, "Largest allowed distance of a chosen frame from its target time.", minimum=0.0, maximum=1.0),
-    _spec("cameras.max_skew_s", 0.05, "Largest allowed spread of the cameras' newest stamps.", minimum=0.0, maximum=1.0),
-    _spec("cameras.max_age_s", 0.3, "Largest allowed age of a camera's newest frame (node clock); 0 = no check.", minimum=0.0, maximum=10.0),
-    _spec("images.width", 0, "Resize every frame to this width (px) on arrival; 0 = keep (needs images.height 0).", minimum=0, maximum=8192),
-    _spec("images.height", 0, "Resize every frame to this height (px) on arrival; 0 = keep (needs images.width 0).", minimum=0, maximum=8192),
+    ParamSpec(
+        "cameras.topics",
+        [
+            "/camera/cross_left/image/compressed",
+            "/camera/front_wide/image/compressed",
+            "/camera/cross_right/image/compressed",
+            "/camera/front_tele/image/compressed",
+        ],
+        "Camera image topics, one per entry of cameras.indices.",
+    ),
+    ParamSpec(
+        "cameras.indices",
+        [0, 1, 2, 6],
+        "Upstream camera index of each topic: 0 cross left, 1 front wide, 2 cross right, 3 rear left, "
+        "4 rear tele, 5 rear right, 6 front tele. Unique.",
+    ),
+    ParamSpec(
+        "cameras.transports",
+        ["compressed", "compressed", "compressed", "compressed"],
+        "Per topic: raw (sensor_msgs/Image) or compressed (sensor_msgs/CompressedImage, JPEG/PNG).",
+    ),
+    ParamSpec(
+        "cameras.frames",
+        FRAMES_PER_CAMERA,
+        "Frames per camera given to the model (t0 - (n-1)*spacing ... t0).",
+        minimum=1,
+        maximum=8,
+    ),
+    ParamSpec("cameras.frame_spacing_s", 0.1, "Time between a camera's model frames.", minimum=0.01, maximum=1.0),
+    ParamSpec(
+        "cameras.max_frame_error_s",
+        0.05,
+        "Largest allowed distance of a chosen frame from its target time.",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "cameras.max_skew_s", 0.05, "Largest allowed spread of the cameras' newest stamps.", minimum=0.0, maximum=1.0
+    ),
+    ParamSpec(
+        "cameras.max_age_s",
+        0.3,
+        "Largest allowed age of a camera's newest frame (node clock); 0 = no check.",
+        minimum=0.0,
+        maximum=10.0,
+    ),
+    ParamSpec(
+        "images.width",
+        0,
+        "Resize every frame to this width (px) on arrival; 0 = keep (needs images.height 0).",
+        minimum=0,
+        maximum=8192,
+    ),
+    ParamSpec(
+        "images.height",
+        0,
+        "Resize every frame to this height (px) on arrival; 0 = keep (needs images.width 0).",
+        minimum=0,
+        maximum=8192,
+    ),
     # odometry and history
-    _spec("odometry.topic", "/odom", "nav_msgs/Odometry topic; its header.frame_id is the odom output frame."),
-    _spec("odometry.max_stale_s", 0.1, "t0 may be at most this far after the newest odometry (bridged by extrapolation).", minimum=0.0, maximum=1.0),
-    _spec("odometry.max_gap_s", 0.25, "Largest allowed time between the odometry samples a history pose is interpolated from.", minimum=0.001, maximum=2.0),
-    _spec("history.length", NUM_HISTORY_POSES, "Ego history poses; fixed by the model (16).", minimum=NUM_HISTORY_POSES, maximum=NUM_HISTORY_POSES),
-    _spec("history.dt_s", 0.1, "Time between ego history poses (the model was trained with 0.1).", minimum=0.01, maximum=1.0),
+    ParamSpec("odometry.topic", "/odom", "nav_msgs/Odometry topic; its header.frame_id is the odom output frame."),
+    ParamSpec(
+        "odometry.max_stale_s",
+        0.1,
+        "t0 may be at most this far after the newest odometry (bridged by extrapolation).",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "odometry.max_gap_s",
+        0.25,
+        "Largest allowed time between the odometry samples a history pose is interpolated from.",
+        minimum=0.001,
+        maximum=2.0,
+    ),
+    ParamSpec(
+        "history.length",
+        NUM_HISTORY_POSES,
+        "Ego history poses; fixed by the model (16).",
+        minimum=NUM_HISTORY_POSES,
+        maximum=NUM_HISTORY_POSES,
+    ),
+    ParamSpec(
+        "history.dt_s",
+        0.1,
+        "Time between ego history poses (the model was trained with 0.1).",
+        minimum=0.01,
+        maximum=1.0,
+    ),
     # navigation
-    _spec("navigation.topic", "/navigation/instruction", "std_msgs/String route instruction (e.g. 'Turn right in 30m')."),
-    _spec("navigation.max_age_s", 0.0, "Forget the route instruction this long after it arrived; 0 = keep it.", minimum=0.0, maximum=3600.0),
+    ParamSpec(
+        "navigation.topic", "/navigation/instruction", "std_msgs/String route instruction (e.g. 'Turn right in 30m')."
+    ),
+    ParamSpec(
+        "navigation.max_age_s",
+        0.0,
+        "Forget the route instruction this long after it arrived; 0 = keep it.",
+        minimum=0.0,
+        maximum=3600.0,
+    ),
     # output
-    _spec("output.frame", "ego", "Output frame: ego (ego frame at t0) or odom (odometry frame, via the pose at t0).", choices=OUTPUT_FRAMES),
-    _spec("output.ego_frame_id", "base_link", "frame_id used when output.frame is ego."),
+    ParamSpec(
+        "output.frame",
+        "ego",
+        "Output frame: ego (ego frame at t0) or odom (odometry frame, via the pose at t0).",
+        choices=OUTPUT_FRAMES,
+    ),
+    ParamSpec("output.ego_frame_id", "base_link", "frame_id used when output.frame is ego."),
     # planning and sampling
-    _spec("planning.rate_hz", 10.0, "Planning ticks per second; a tick while inference runs is skipped and counted.", minimum=0.1, maximum=100.0),
-    _spec("sampling.num_samples", 1, "Trajectory samples per plan.", minimum=1, maximum=64, dynamic=True),
-    _spec("sampling.selection", "first", "Published sample: first, medoid (least summed distance) or all (no Path).", choices=SELECTIONS, dynamic=True),
-    _spec("sampling.flow_steps", 10, "Euler steps of the flow-matching sampler.", minimum=1, maximum=100, dynamic=True),
-    _spec("sampling.max_reasoning_tokens", 256, "Cap on generated reasoning tokens.", minimum=1, maximum=4096, dynamic=True),
-    _spec("sampling.temperature", 0.6, "Reasoning sampling temperature; 0 = greedy.", minimum=0.0, maximum=2.0, dynamic=True),
-    _spec("sampling.top_p", 0.98, "Nucleus sampling mass for reasoning.", minimum=0.01, maximum=1.0, dynamic=True),
-    _spec("sampling.cfg_weight", 0.0, "Navigation classifier-free guidance weight (1 = conditional only); 0 = off. Used only with a route.",
-          minimum=0.0, maximum=10.0, dynamic=True),
-    _spec("sampling.seed", 0, "Random seed of every plan (same input -> same plan).", minimum=0, maximum=2**31 - 1, dynamic=True),
-    _spec("gates.max_first_waypoint_error_m", 2.0,
-          "Drop a plan whose first waypoint is further than this from where the history speed puts the ego after one step.",
-          minimum=0.1, maximum=100.0, dynamic=True),
+    ParamSpec(
+        "planning.rate_hz",
+        10.0,
+        "Planning ticks per second; a tick while inference runs is skipped and counted.",
+        minimum=0.1,
+        maximum=100.0,
+    ),
+    ParamSpec("sampling.num_samples", 1, "Trajectory samples per plan.", minimum=1, maximum=64, dynamic=True),
+    ParamSpec(
+        "sampling.selection",
+        "first",
+        "Published sample: first, medoid (least summed distance) or all (no Path).",
+        choices=SELECTIONS,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "sampling.flow_steps", 10, "Euler steps of the flow-matching sampler.", minimum=1, maximum=100, dynamic=True
+    ),
+    ParamSpec(
+        "sampling.max_reasoning_tokens",
+        256,
+        "Cap on generated reasoning tokens.",
+        minimum=1,
+        maximum=4096,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "sampling.temperature",
+        0.6,
+        "Reasoning sampling temperature; 0 = greedy.",
+        minimum=0.0,
+        maximum=2.0,
+        dynamic=True,
+    ),
+    ParamSpec("sampling.top_p", 0.98, "Nucleus sampling mass for reasoning.", minimum=0.01, maximum=1.0, dynamic=True),
+    ParamSpec(
+        "sampling.cfg_weight",
+        0.0,
+        "Navigation classifier-free guidance weight (1 = conditional only); 0 = off. Used only with a route.",
+        minimum=0.0,
+        maximum=10.0,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "sampling.seed",
+        0,
+        "Random seed of every plan (same input -> same plan).",
+        minimum=0,
+        maximum=2**31 - 1,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "gates.max_first_waypoint_error_m",
+        2.0,
+        "Drop a plan whose first waypoint is further than this from where the history speed puts the ego after one step.",
+        minimum=0.1,
+        maximum=100.0,
+        dynamic=True,
+    ),
     # QoS and diagnostics
-    _spec("qos.cameras.reliability", "best_effort", "Camera subscriptions reliability.", choices=RELIABILITIES),
-    _spec("qos.cameras.depth", 2, "Camera subscriptions queue depth.", minimum=1, maximum=100),
-    _spec("qos.odometry.reliability", "best_effort", "Odometry subscription reliability.", choices=RELIABILITIES),
-    _spec("qos.odometry.depth", 50, "Odometry subscription queue depth.", minimum=1, maximum=1000),
-    _spec("qos.navigation.durability", "volatile", "Navigation subscription durability (transient_local for latched routes).", choices=DURABILITIES),
-    _spec("qos.outputs.depth", 5, "Output publishers queue depth (reliable, volatile).", minimum=1, maximum=100),
-    _spec("diagnostics.rate_hz", 1.0, "Diagnostics publish rate (also published after every plan or failure).", minimum=0.1, maximum=50.0),
+    ParamSpec("qos.cameras.reliability", "best_effort", "Camera subscriptions reliability.", choices=RELIABILITIES),
+    ParamSpec("qos.cameras.depth", 2, "Camera subscriptions queue depth.", minimum=1, maximum=100),
+    ParamSpec("qos.odometry.reliability", "best_effort", "Odometry subscription reliability.", choices=RELIABILITIES),
+    ParamSpec("qos.odometry.depth", 50, "Odometry subscription queue depth.", minimum=1, maximum=1000),
+    ParamSpec(
+        "qos.navigation.durability",
+        "volatile",
+        "Navigation subscription durability (transient_local for latched routes).",
+        choices=DURABILITIES,
+    ),
+    ParamSpec("qos.outputs.depth", 5, "Output publishers queue depth (reliable, volatile).", minimum=1, maximum=100),
+    ParamSpec(
+        "diagnostics.rate_hz",
+        1.0,
+        "Diagnostics publish rate (also published after every plan or failure).",
+        minimum=0.1,
+        maximum=50.0,
+    ),
 )
 
 SPECS: dict[str, ParamSpec] = {spec.name: spec for spec in PARAMETERS}
@@ -206,10 +374,14 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
             raise ParameterError(name, "empty")
     width, height = v["images.width"], v["images.height"]
     if (width == 0) != (height == 0):
-        raise ParameterError("images.width" if width == 0 else "images.height", "set both images.width and images.height, or neither")
+        raise ParameterError(
+            "images.width" if width == 0 else "images.height", "set both images.width and images.height, or neither"
+        )
     spacing = v["cameras.frame_spacing_s"]
     if v["cameras.max_frame_error_s"] >= spacing:
-        raise ParameterError("cameras.max_frame_error_s", f"must be below cameras.frame_spacing_s ({spacing}) or frames could repeat")
+        raise ParameterError(
+            "cameras.max_frame_error_s", f"must be below cameras.frame_spacing_s ({spacing}) or frames could repeat"
+        )
     frame_sync = FrameSyncConfig(
         camera_indices=tuple(sorted(camera.index for camera in cameras)),
         frames_per_camera=v["cameras.frames"],
@@ -301,7 +473,9 @@ def descriptor(spec: ParamSpec) -> ParameterDescriptor:
         name=spec.name, description=spec.description, additional_constraints=constraints, read_only=not spec.dynamic
     )
     if spec.minimum is not None and isinstance(spec.default, float):
-        desc.floating_point_range = [FloatingPointRange(from_value=float(spec.minimum), to_value=float(spec.maximum), step=0.0)]
+        desc.floating_point_range = [
+            FloatingPointRange(from_value=float(spec.minimum), to_value=float(spec.maximum), step=0.0)
+        ]
     elif spec.minimum is not None and isinstance(spec.default, int) and not isinstance(spec.default, bool):
         desc.integer_range = [IntegerRange(from_value=int(spec.minimum), to_value=int(spec.maximum), step=0)]
     return desc

@@ -1,0 +1,153 @@
+"""Parameter validation (issue 5 acceptance 3): a bad value stops the node at start with a
+message naming the parameter; parse_settings covers the remaining rules directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from ros_helpers import (
+    RosSide,
+    ros_env,
+    start_console_script,
+    stop_process,
+    unique_domain_id,
+    wait_until,
+    write_params_file,
+)
+
+from alpamayo_ros.ros.params import SPECS, ParameterError, parse_settings
+
+CAMERAS = {
+    "cameras.topics": ["/a", "/b", "/c"],
+    "cameras.indices": [0, 1, 6],
+    "cameras.transports": ["raw", "compressed", "raw"],
+}
+
+
+def defaults(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    values = {name: spec.default for name, spec in SPECS.items()}
+    values["model.checkpoint_path"] = str(tmp_path)
+    values.update(CAMERAS)
+    values.update({name.replace("__", "."): value for name, value in overrides.items()})
+    return values
+
+
+def run_node(tmp_path: Path, parameters: dict[str, Any], ros_args: tuple[str, ...] = ()) -> tuple[int, str]:
+    params_file = write_params_file(tmp_path / "params.yaml", parameters)
+    log = tmp_path / "node.log"
+    process = start_console_script(
+        "alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params_file, ros_args=ros_args
+    )
+    code = process.wait(timeout=60)
+    process.log_file.close()
+    return code, log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("parameters", "needle"),
+    [
+        ({"cameras.indices": [0, 9, 6]}, "parameter 'cameras.indices': unknown camera index 9"),
+        ({"cameras.indices": [0, 6, 6]}, "parameter 'cameras.indices': duplicate camera index 6"),
+        (
+            {"model.checkpoint_path": "/nonexistent/alpamayo"},
+            "parameter 'model.checkpoint_path': no such directory: /nonexistent/alpamayo",
+        ),
+    ],
+    ids=["unknown camera index", "duplicate camera index", "missing checkpoint"],
+)
+def test_bad_parameter_fails_at_start_naming_it(tmp_path: Path, parameters: dict[str, Any], needle: str) -> None:
+    values = {**CAMERAS, "model.checkpoint_path": str(tmp_path), **parameters}
+    code, log = run_node(tmp_path, values)
+    assert code == 2, log
+    assert needle in log
+    assert "Traceback" not in log
+
+
+def test_checkpoint_path_is_required(tmp_path: Path) -> None:
+    code, log = run_node(tmp_path, dict(CAMERAS))  # no model.checkpoint_path at all
+    assert code == 2 and "parameter 'model.checkpoint_path': empty" in log, log
+
+
+def test_out_of_range_override_names_the_parameter(tmp_path: Path) -> None:
+    values = {**CAMERAS, "model.checkpoint_path": str(tmp_path)}
+    code, log = run_node(tmp_path, values, ("-p", "sampling.num_samples:=0"))
+    assert code == 2 and "sampling.num_samples" in log, log
+
+
+def test_defaults_with_cameras_parse(tmp_path: Path) -> None:
+    settings = parse_settings(defaults(tmp_path))
+    assert settings.frame_sync.camera_indices == (0, 1, 6)
+    assert settings.frame_sync.frame_spacing_ns == 100_000_000 and settings.frame_sync.max_skew_ns == 50_000_000
+    assert settings.ego_history.num_poses == 16 and settings.ego_history.max_stale_ns == 100_000_000
+    assert settings.model_id == tmp_path.name and settings.dtype is None
+    assert settings.backend_options == {}  # the hf backend takes none
+    assert settings.sampling.cfg_weight is None and settings.sampling.max_reasoning_tokens == 256
+    assert [c.transport for c in settings.cameras] == ["raw", "compressed", "raw"]
+
+
+def test_vllm_options_become_backend_options(tmp_path: Path) -> None:
+    settings = parse_settings(
+        defaults(
+            tmp_path, model__backend="vllm", model__dtype="bfloat16", vllm__quantization="fp8", vllm__max_model_len=4096
+        )
+    )
+    assert settings.backend_options == {
+        "dtype": "bfloat16", "max_images": 12, "gpu_memory_utilization": 0.85, "max_model_len": 4096,
+        "tensor_parallel_size": 1, "enforce_eager": False, "quantization": "fp8",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        ({"cameras.indices": [0, 1]}, "cameras.indices"),
+        ({"cameras.transports": ["raw", "raw", "h264"]}, "cameras.transports"),
+        ({"cameras.topics": ["/a", "/a", "/c"]}, "cameras.topics"),
+        ({"images.width": 640}, "images.height"),
+        ({"model.device": "gpu0"}, "model.device"),
+        ({"model.backend": "trt"}, "model.backend"),
+        ({"cameras.max_frame_error_s": 0.1}, "cameras.max_frame_error_s"),
+        ({"planning.rate_hz": 0.0}, "planning.rate_hz"),
+        ({"sampling.selection": "best"}, "sampling.selection"),
+        ({"history.length": 8}, "history.length"),
+        ({"sampling.top_p": 2}, "sampling.top_p"),
+        ({"vllm.enforce_eager": "yes"}, "vllm.enforce_eager"),
+        ({"odometry.topic": ""}, "odometry.topic"),
+    ],
+)
+def test_invalid_values_name_the_parameter(tmp_path: Path, overrides: dict[str, Any], name: str) -> None:
+    values = defaults(tmp_path)
+    values.update(overrides)
+    with pytest.raises(ParameterError, match=f"^parameter '{name}'"):
+        parse_settings(values)
+
+
+def test_unloadable_checkpoint_keeps_the_node_up_and_reports_it(tmp_path: Path) -> None:
+    """An existing but broken checkpoint is not a parameter error: diagnostics say ERROR."""
+    broken = tmp_path / "broken_checkpoint"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    domain_id = unique_domain_id()
+    side = RosSide(domain_id, "load_failure_test")
+    diagnostics = side.collect(DiagnosticArray, "/diagnostics", side.reliable())
+    params_file = write_params_file(tmp_path / "params.yaml", {**CAMERAS, "model.checkpoint_path": str(broken)})
+    process = start_console_script(
+        "alpamayo_drive", env=ros_env(domain_id), log_path=tmp_path / "node.log", params_file=params_file
+    )
+    try:
+
+        def failed() -> bool:
+            return any(m.status[0].level == DiagnosticStatus.ERROR for m in diagnostics.messages)
+
+        assert wait_until(failed, timeout_s=60), (tmp_path / "node.log").read_text()
+        status = [m.status[0] for m in diagnostics.messages if m.status[0].level == DiagnosticStatus.ERROR][-1]
+        assert status.message.startswith("model load failed") and "model.checkpoint_path" in status.message
+        assert {kv.key: kv.value for kv in status.values}["state"] == "failed"
+        assert process.poll() is None
+    finally:
+        code = stop_process(process)
+        side.close()
+    assert code == 0, (tmp_path / "node.log").read_text()

