@@ -13,8 +13,9 @@ import pytest
 
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
 from alpamayo_ros.eval.bags import BagWriter
+from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
 from alpamayo_ros.eval.evaluate import (FUTURE_UNAVAILABLE, ReportOptions, drive_settings, evaluate_bag,
-                                        load_params_file, write_report)
+                                        load_params_file, main, write_report)
 from alpamayo_ros.eval.report import CameraProjection
 
 S = 1_000_000_000
@@ -71,7 +72,7 @@ def bag(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory):
+def params_file(tmp_path_factory) -> Path:
     params = tmp_path_factory.mktemp("params") / "eval.yaml"
     params.write_text(
         "/**:\n  ros__parameters:\n"
@@ -80,7 +81,12 @@ def settings(tmp_path_factory):
         "      transports: [compressed, compressed]\n"
         "    planning.rate_hz: 2.0\n"
         "    images:\n      width: 24\n      height: 16\n")
-    return drive_settings(params, {})
+    return params
+
+
+@pytest.fixture(scope="module")
+def settings(params_file):
+    return drive_settings(params_file, {})
 
 
 def test_params_file_uses_the_node_parameter_names(settings):
@@ -147,3 +153,21 @@ def test_wrong_transport_is_named(bag, tmp_path):
                                   "cameras.indices": CAM_INDICES, "cameras.transports": ["raw", "compressed"]})
     with pytest.raises(ValueError, match="cameras.transports"):
         evaluate_bag(bag, FutureOracle(), wrong)
+
+
+def test_shipped_params_file_is_accepted(tmp_path):
+    shipped = Path(__file__).resolve().parents[1] / "config" / "drive.yaml"
+    settings = drive_settings(shipped, {"model.checkpoint_path": str(tmp_path)})
+    assert settings.frame_sync.camera_indices == (0, 1, 2, 6)
+
+
+def test_cli_runs_the_real_pipeline_on_a_tiny_checkpoint(bag, params_file, tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "report"
+    main([str(bag), "--checkpoint", str(checkpoint), "--params-file", str(params_file), "--out", str(out),
+          "--max-ticks", "5", "--max-reasoning-tokens", "4", "--no-progress", "--front-camera", "20,20,12,8,24,16"])
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["ticks_total"] == 5 and doc["summary"]["count"] >= 1  # ticks at 2.0 and 2.5 s have history
+    scored = [t for t in doc["bags"][0]["ticks"] if "min_ade" in t]
+    assert all(math.isfinite(t["min_ade"]) and t["timings_ms"]["total"] > 0 for t in scored)
+    assert doc["backend"] == "hf" and "camera_0.png" in doc["plots"]

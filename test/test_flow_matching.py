@@ -1,9 +1,12 @@
-"""Euler flow-matching sampler: seeding, injected noise, guidance and the update rule."""
+"""Euler flow-matching sampler: seeding, injected noise, guidance and the update rule; the
+fast ExpertSampler against the reference sampler over ActionExpertModel.velocity."""
 
 import pytest
 import torch
 
-from alpamayo_ros.core.flow_matching import sample
+from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
+from alpamayo_ros.core.flow_matching import ExpertSampler, sample
 
 SHAPE = (64, 2)
 
@@ -111,3 +114,115 @@ def test_bad_arguments_are_named():
         sample(velocity, batch=1, generator=seeded(0), steps=0)
     with pytest.raises(ValueError, match="noise_temperature"):
         sample(velocity, batch=1, generator=seeded(0), noise_temperature=-1.0)
+
+
+# --- ExpertSampler: the fast loop must give the reference sampler's numbers ----------------
+
+KV_HEADS, HEAD_DIM, LAYERS = 2, 16, 2
+
+
+def well_conditioned_expert() -> ActionExpertModel:
+    """A tiny random expert whose 10-step flow is not chaotic.
+
+    With untrained weights and Fourier frequencies up to 100 per unit, one Euler step
+    amplifies a 1e-7 change in x by ~400x, so float rounding alone moves a 10-step result by
+    0.2 and multi-step parity could not be asserted. max_freq=1 keeps the gain near 20; the
+    single-call parity of the fast path at release-like frequencies is in test_expert.py.
+    """
+    torch.manual_seed(0)
+    config = ExpertConfig(
+        hidden_size=64, intermediate_size=96, num_layers=LAYERS, num_heads=4,
+        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rope_theta=10_000.0, mrope_section=(2, 3, 3),
+        action_hidden_size=32, max_freq=1.0,
+    )
+    return ActionExpertModel(config).eval()
+
+
+def cache_of(rows: int, length: int, offsets: list[int], seed: int, valid=None) -> PrefixCache:
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, KV_HEADS, length, HEAD_DIM)
+    return PrefixCache(
+        keys=[torch.randn(shape, generator=g) for _ in range(LAYERS)],
+        values=[torch.randn(shape, generator=g) for _ in range(LAYERS)],
+        offsets=torch.tensor(offsets), rope_deltas=torch.arange(rows) - 4, valid=valid,
+    )
+
+
+def reference(expert, cache, noise, uncond_cache=None, weight=1.0, temperature=1.0):
+    with torch.no_grad():
+        return sample(
+            lambda x, t: expert.velocity(x, t, cache), batch=noise.shape[0], init_noise=noise,
+            uncond_velocity_fn=(
+                None if uncond_cache is None else lambda x, t: expert.velocity(x, t, uncond_cache)
+            ),
+            guidance_weight=weight, noise_temperature=temperature,
+        )
+
+
+@pytest.mark.parametrize("bucket", [1, 32])
+def test_expert_sampler_matches_reference_across_plans_of_several_lengths(bucket):
+    # On CPU the sampler runs its states eagerly (the CUDA-graph replay of the same states is
+    # measured on the GPU by bench/expert_loop_bench.py, not here). Plans of different
+    # lengths and row counts reuse states, so stale columns from earlier plans are exercised.
+    expert = well_conditioned_expert()
+    sampler = ExpertSampler(expert, bucket=bucket, cuda_graphs=True)
+    assert not sampler.uses_cuda_graphs
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[2, :6] = False
+    plans = [
+        cache_of(1, 40, [40], seed=1),
+        cache_of(3, 40, [40, 33, 25], seed=2, valid=valid),
+        cache_of(1, 23, [23], seed=3),
+        cache_of(3, 31, [31, 31, 20], seed=4),
+        cache_of(1, 40, [40], seed=5),
+    ]
+    for i, cache in enumerate(plans):
+        noise = torch.randn(cache.keys[0].shape[0], 64, 2, generator=seeded(i))
+        got = sampler.sample(cache, init_noise=noise, noise_temperature=0.8)
+        expected = reference(expert, cache, noise, temperature=0.8)
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert (got - expected).abs().max() < 1e-5, i
+        assert (expected - noise * 0.8).abs().max() > 0.1  # the velocity really matters
+    assert sampler.capacity_for(40) == (40 + 64 if bucket == 1 else 128)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_guided_expert_sampler_matches_reference(rows):
+    expert = well_conditioned_expert()
+    sampler = ExpertSampler(expert, bucket=16)
+    offsets = [36, 30, 28][:rows]
+    cache = cache_of(rows, 36, offsets, seed=1)
+    route_free = cache_of(rows, 29, [o - 7 for o in offsets], seed=2)  # route span removed
+    noise = torch.randn(rows, 64, 2, generator=seeded(3))
+    got = sampler.sample(cache, init_noise=noise, uncond_cache=route_free, guidance_weight=1.5)
+    expected = reference(expert, cache, noise, uncond_cache=route_free, weight=1.5)
+    unguided = reference(expert, cache, noise)
+    assert (got - expected).abs().max() < 1e-5
+    assert (unguided - expected).abs().max() > 1e-3
+
+
+def test_expert_sampler_draws_the_reference_noise_from_the_generator():
+    expert = well_conditioned_expert()
+    cache = cache_of(2, 20, [20, 18], seed=1)
+    got = ExpertSampler(expert).sample(cache, steps=3, generator=seeded(9))
+    with torch.no_grad():
+        expected = sample(
+            lambda x, t: expert.velocity(x, t, cache), batch=2, steps=3, generator=seeded(9)
+        )
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_expert_sampler_bad_arguments_are_named():
+    expert = well_conditioned_expert()
+    cache = cache_of(2, 20, [20, 18], seed=1)
+    sampler = ExpertSampler(expert)
+    with pytest.raises(ValueError, match="bucket"):
+        ExpertSampler(expert, bucket=0)
+    with pytest.raises(ValueError, match="guidance_weight"):
+        sampler.sample(cache, generator=seeded(0), guidance_weight=2.0)
+    with pytest.raises(ValueError, match="uncond_cache: 1 rows"):
+        sampler.sample(cache, generator=seeded(0), uncond_cache=cache_of(1, 20, [20], seed=2))
+    with pytest.raises(ValueError, match="steps"):
+        sampler.sample(cache, generator=seeded(0), steps=0)
+    with pytest.raises(ValueError, match="generator"):
+        sampler.sample(cache)

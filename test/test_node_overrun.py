@@ -59,6 +59,10 @@ class SimHarness:
             "sampling.flow_steps": 4,
             "diagnostics.rate_hz": 4.0,
             "use_sim_time": True,
+            # loose input limits: this module tests pacing, and a busy CI box delays messages
+            "cameras.max_age_s": 1.0,
+            "odometry.max_stale_s": 0.3,
+            "odometry.max_gap_s": 1.0,
         }
         params_file = write_params_file(tmp / "drive.yaml", params)
         reliable = self.side.reliable(depth=100)
@@ -153,6 +157,20 @@ def test_sampling_parameters_update_at_runtime(sim: SimHarness) -> None:
     assert good.successful, good.reason
     changed = time.monotonic()
     assert wait_until(lambda: any(len(m.samples) == 3 for m in sim.sets.since(changed)), timeout_s=60), sim.log_text()
+
+    # "all": every sample goes out as a candidate, no single Path is chosen
+    (all_samples,) = set_parameters(Parameter("sampling.selection", Parameter.Type.STRING, "all"))
+    assert all_samples.successful, all_samples.reason
+    changed = time.monotonic()
+    assert wait_until(lambda: any(m.selection_policy == "all" for m in sim.sets.since(changed)), timeout_s=60)
+    candidates = [m for m in sim.sets.since(changed) if m.selection_policy == "all"][0]
+    assert candidates.selected_index == -1 and len(candidates.scores) == 3
+    (first,) = set_parameters(Parameter("sampling.selection", Parameter.Type.STRING, "first"))
+    assert first.successful
+    restored = time.monotonic()
+    assert wait_until(lambda: len(sim.paths.since(restored)) > 0, timeout_s=60)
+    unpublished = stamp_ns(candidates.header.stamp)
+    assert unpublished not in {stamp_ns(p.header.stamp) for p in sim.paths.messages}
 
 
 def test_clock_loop_clears_buffers_and_planning_resumes(sim: SimHarness) -> None:

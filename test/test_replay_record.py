@@ -4,30 +4,20 @@ Real DDS between three processes (replayer, recorder, pytest): same topics, same
 same decoded fields, plus a /clock that follows the bag time.
 """
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mcap.reader import make_reader
 from mcap_ros2.decoder import DecoderFactory
+from ros_helpers import VENV_BIN, ros_env, stop_process, unique_domain_id
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics, decode_image, read_messages, register_msgtype, stamp_to_ns
 
 T0 = 1_700_000_000_000_000_000
 CAMS = ("/cam/front/compressed", "/cam/left/compressed")
 TRAJ_SET = "alpamayo_ros_msgs/msg/TrajectorySet"
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["ROS_DOMAIN_ID"] = str(150 + os.getpid() % 60)  # private domain: other suites run in parallel
-    env.setdefault("FASTDDS_BUILTIN_TRANSPORTS", "LARGE_DATA")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def _image(k: int, h: int = 60, w: int = 80) -> np.ndarray:
@@ -67,18 +57,19 @@ def round_trip(tmp_path_factory):
     src, out = tmp / "src", tmp / "rec"
     _write_source_bag(src)
     topics = sorted(bag_topics(src))
-    env = _env()
-    rec = subprocess.Popen([sys.executable, "-m", "alpamayo_ros.eval.record", "--topics", *topics, "/clock",
-                            "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = ros_env(unique_domain_id())
+    rec_log = tmp / "record.log"
+    with open(rec_log, "wb") as log:
+        rec = subprocess.Popen([str(VENV_BIN / "alpamayo-record"), "--topics", *topics, "/clock", "--out", str(out)],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        play = subprocess.run([sys.executable, "-m", "alpamayo_ros.eval.replay", str(src), "--rate", "2",
-                               "--wait-timeout", "30"], env=env, capture_output=True, text=True, timeout=90)
+        play = subprocess.run([str(VENV_BIN / "alpamayo-replay"), str(src), "--rate", "2", "--wait-timeout", "30"],
+                              env=env, capture_output=True, text=True, timeout=90)
         assert play.returncode == 0, play.stdout + play.stderr
         assert "published 77 messages" in play.stdout + play.stderr
     finally:
-        rec.send_signal(signal.SIGINT)
-        log, _ = rec.communicate(timeout=30)
-    assert rec.returncode == 0, log
+        code = stop_process(rec, timeout_s=30)
+    assert code == 0, rec_log.read_text()
     return src, out
 
 

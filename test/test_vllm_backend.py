@@ -9,6 +9,7 @@ copy of the row of a token greedy decoding emits early (greedy then stops on it)
 from __future__ import annotations
 
 import gc
+import json
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,25 @@ def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineOptions(tensor_parallel_size=2)
 
+def test_model_folder_links_weights_and_builds_a_missing_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """vLLM's model folder never copies weights; a checkpoint without tokenizer files gets
+    the extended tokenizer written next to the links."""
+    from transformers import AutoTokenizer
+
+    from alpamayo_ros.core.vllm_adapter import ARCHITECTURE, materialize_model_dir
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for path in tiny_checkpoint.iterdir():
+        if not path.name.startswith("tokenizer"):
+            (bare / path.name).symlink_to(path)
+    config = AlpamayoConfig.from_checkpoint(bare)
+    backbone = {k: v for k, v in config.backbone.raw.items() if not k.startswith("_")}
+    folder = materialize_model_dir(bare, backbone, config.vocab_size, config.traj_vocab_size, 163840, 196608, tmp_path / "cache")
+    weights = folder / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (tiny_checkpoint / "model.safetensors").resolve()
+    vlm = json.loads((folder / "config.json").read_text())
+    assert vlm["architectures"] == [ARCHITECTURE] and vlm["text_config"]["vocab_size"] == config.vocab_size
+    assert len(AutoTokenizer.from_pretrained(str(folder))) == config.vocab_size
+    again = materialize_model_dir(bare, backbone, config.vocab_size, config.traj_vocab_size, 163840, 196608, tmp_path / "cache")
+    assert again == folder  # cached by content

@@ -16,7 +16,6 @@ tower for all but one row, and makes the stop rule explicit:
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Sequence
 
 import torch
@@ -24,9 +23,6 @@ import torch
 from .backbone import PrefixCache, PromptInputs, Rollout
 from .config import AlpamayoConfig
 from .tokenizer import AlpamayoTokenizer
-
-logger = logging.getLogger(__name__)
-
 
 def sample_next(
     logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None
@@ -51,6 +47,11 @@ class HFBackbone:
     name = "hf"
 
     def __init__(self, model, tokenizer: AlpamayoTokenizer, config: AlpamayoConfig) -> None:
+        if model.lm_head.out_features != config.vocab_size or len(tokenizer) != config.vocab_size:
+            raise ValueError(
+                f"model: lm_head has {model.lm_head.out_features} rows and the tokenizer {len(tokenizer)} ids, "
+                f"config vocab_size is {config.vocab_size}"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

@@ -83,6 +83,7 @@ class VLLMBackbone:
             config.checkpoint_dir,
             {k: v for k, v in config.backbone.raw.items() if not k.startswith("_")},
             config.vocab_size,
+            config.traj_vocab_size,
             config.vision.min_pixels,
             config.vision.max_pixels,
             options.cache_dir,
@@ -184,7 +185,7 @@ class VLLMBackbone:
         """One seeded request per row; with capture, rows also stop after <|traj_future_start|>."""
         greedy = temperature <= 0
         seed = int(torch.randint(0, 2**31 - num_samples, (1,), generator=generator, device=generator.device))
-        request = self._request(prompt, ())
+        (request,) = self._requests(prompt, [()])
         params = [
             self._adapter.sampling_params(
                 temperature=0.0 if greedy else temperature,
@@ -209,21 +210,20 @@ class VLLMBackbone:
     def _feed(self, prompt: PromptInputs, rows: Sequence[Sequence[int]]) -> list[Any]:
         """Feed prompt + each row's ids and capture their K/V (one throwaway token is sampled)."""
         params = self._adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=1, seed=0)
-        results = self._adapter.run_requests(
-            self._llm, self._sink, [(self._request(prompt, row), params) for row in rows], stop_after=None, capture=True
-        )
+        requests = [(request, params) for request in self._requests(prompt, rows)]
+        results = self._adapter.run_requests(self._llm, self._sink, requests, stop_after=None, capture=True)
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], rows)
         return [r.captured for r in results]
 
-    def _request(self, prompt: PromptInputs, extra_ids: Sequence[int]) -> dict[str, Any]:
-        """vLLM request input: our ids with each image block collapsed back to one pad.
+    def _requests(self, prompt: PromptInputs, rows: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+        """vLLM inputs for prompt + each row: our ids, each image block collapsed to one pad.
 
         vLLM's Qwen3-VL processor re-expands every <|image_pad|> from the grid it is given
         (checked against our ids after the run). The frames go in as our own patches, so
-        vLLM's image processor never runs.
+        vLLM's image processor never runs; all rows share one host copy of them.
         """
         pad = self._ids.image_pad
-        if pad in extra_ids:
+        if any(pad in row for row in rows):
             raise ValueError("generated_ids: contain <|image_pad|>, which vLLM would take for an image")
         ids = prompt.input_ids.tolist()
         collapsed = [token for i, token in enumerate(ids) if token != pad or i == 0 or ids[i - 1] != pad]
@@ -236,11 +236,14 @@ class VLLMBackbone:
             key = uuid.uuid4().hex
             self._image_keys = {k: v for k, v in self._image_keys.items() if v[0]() is not None}
             self._image_keys[id(pixel_values)] = (weakref.ref(pixel_values), key)
-        return {
-            "prompt_token_ids": collapsed + list(extra_ids),
-            "multi_modal_data": {"image": {"pixel_values": pixel_values, "image_grid_thw": grid}},
-            "multi_modal_uuids": {"image": [f"{key}-{i}" for i in range(int(grid.shape[0]))]},
-        }
+        # NOTE: vLLM batches multimodal inputs in pinned host memory, so GPU patches go back
+        # to the host here (~70 MB for 16 frames, a few ms) and vLLM copies them up again.
+        images = {"image": {"pixel_values": pixel_values.cpu(), "image_grid_thw": grid.cpu()}}
+        keys = {"image": [f"{key}-{i}" for i in range(int(grid.shape[0]))]}
+        return [
+            {"prompt_token_ids": collapsed + list(row), "multi_modal_data": images, "multi_modal_uuids": keys}
+            for row in rows
+        ]
 
     def _check_expansion(self, prompt: PromptInputs, seen: list[list[int]], extra: Sequence[Sequence[int]]) -> None:
         """vLLM's re-expanded prompt must be exactly our ids (same image token counts)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from alpamayo_ros.core.backbone import PrefixCache
 
@@ -194,6 +195,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 #: multiple of 8, as flash kernels need.
 MASK_CHANNELS = 8
 
+#: SDPA backends of the prepared path, in order of preference. Flash first: its split-KV
+#: kernel spreads a few heads x 64 queries over all SMs, while the cuDNN kernel PyTorch
+#: prefers on Hopper runs one block per head and query tile (bench/EXPERT.md).
+_PREPARED_ATTENTION = [
+    SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
 
 @dataclass
 class ExpertState:
@@ -309,7 +318,8 @@ class ExpertAttention(nn.Module):
         values[:, :, -length:, : self.head_dim] = v
         if query_pad is not None:
             q = torch.cat([q, query_pad.expand(*q.shape[:-1], -1)], dim=-1)
-        return self._attend(q, keys, values, None)
+        with sdpa_kernel(_PREPARED_ATTENTION, set_priority=True):
+            return self._attend(q, keys, values, None)
 
 
 class ExpertMLP(nn.Module):
@@ -555,7 +565,9 @@ class ActionExpertModel(nn.Module):
         if rows < 1:
             raise ValueError(f"rows: must be >= 1, got {rows}")
         if capacity <= cfg.n_waypoints:
-            raise ValueError(f"capacity: must exceed {cfg.n_waypoints} action tokens, got {capacity}")
+            raise ValueError(
+                f"capacity: must exceed {cfg.n_waypoints} action tokens, got {capacity}"
+            )
         weight = self.expert.norm.weight
         like = {"device": weight.device, "dtype": weight.dtype}
         width = cfg.head_dim + (MASK_CHANNELS if masked else 0)

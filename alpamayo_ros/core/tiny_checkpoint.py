@@ -210,8 +210,24 @@ def random_state_dict(
             fan_in = math.prod(shape[1:])
             gain = 3.0 if leaf == "lm_head" else 1.0
             values = values * (gain / math.sqrt(fan_in))
+            if name == "action_in_proj.encoder.trunk.0.weight":
+                values = values / _fourier_frequencies(config).to(values.device)
         tensors[name] = values.to(dtype).contiguous()
     return tensors
+
+
+def _fourier_frequencies(config: AlpamayoConfig) -> torch.Tensor:
+    """Frequency behind each input column of action_in_proj's first layer.
+
+    Its inputs are [sin, cos](2 pi f x) for f up to 100 cycles per unit. With plain random
+    weights the velocity field then changes ~1000x faster than its input, and 10 Euler steps
+    turn 1e-5 numeric noise (CPU vs GPU, HF vs vLLM K/V) into different trajectories. Scaling
+    each column by 1/f keeps the random flow smooth, so plans stay comparable.
+    """
+    expert = config.expert
+    half = expert.num_fourier_feats // 2
+    freqs = torch.logspace(0.0, math.log10(expert.max_freq), half)
+    return freqs.repeat(2 * 3)  # (sin, cos) x (accel, curvature, t)
 
 
 def write_checkpoint(

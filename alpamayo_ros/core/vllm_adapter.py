@@ -141,6 +141,7 @@ def materialize_model_dir(
     checkpoint_dir: Path,
     backbone_config: dict[str, Any],
     vocab_size: int,
+    traj_vocab_size: int,
     min_pixels: int,
     max_pixels: int,
     cache_root: Path,
@@ -148,17 +149,18 @@ def materialize_model_dir(
     """Build the HF-style folder vLLM loads from: small JSON files plus symlinks.
 
     vLLM needs a config.json of the VLM itself (the Alpamayo one only names it), the
-    tokenizer and the processor configs. The weights are symlinked, never copied. The
-    folder name hashes its inputs, so a changed checkpoint or config gets a fresh folder.
+    tokenizer and the processor configs. The weights are symlinked, never copied; the
+    checkpoint's tokenizer too, or, when it ships none, the extended tokenizer is written
+    there. The folder name hashes its inputs, so a changed checkpoint gets a fresh folder.
     """
     from transformers import Qwen2VLImageProcessorFast, Qwen3VLVideoProcessor
+
+    from .tokenizer import save_tokenizer
 
     checkpoint_dir = Path(checkpoint_dir).resolve()
     weights = sorted({p for pat in _WEIGHT_PATTERNS for p in checkpoint_dir.glob(pat)})
     if not any(p.suffix == ".safetensors" for p in weights):
         raise ValueError(f"checkpoint_dir: no *.safetensors in {checkpoint_dir}")
-    if not (checkpoint_dir / "tokenizer_config.json").is_file():
-        raise ValueError(f"checkpoint_dir: no tokenizer_config.json in {checkpoint_dir}")
 
     config = json.loads(json.dumps(backbone_config))  # deep copy, JSON-clean
     config["architectures"] = [ARCHITECTURE]
@@ -169,7 +171,7 @@ def materialize_model_dir(
     config["text_config"]["tie_word_embeddings"] = False
 
     stat = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
-    key = json.dumps([str(checkpoint_dir), stat, config, min_pixels, max_pixels], sort_keys=True)
+    key = json.dumps([str(checkpoint_dir), stat, config, traj_vocab_size, min_pixels, max_pixels], sort_keys=True)
     folder = Path(cache_root) / f"vllm-model-{uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:16]}"
     if (folder / "config.json").is_file():
         return folder
@@ -178,9 +180,12 @@ def materialize_model_dir(
     tmp.mkdir(parents=True, exist_ok=True)
     for path in weights:
         (tmp / path.name).symlink_to(path)
-    for name in _TOKENIZER_FILES:
-        if (checkpoint_dir / name).is_file():
-            (tmp / name).symlink_to(checkpoint_dir / name)
+    if (checkpoint_dir / "tokenizer_config.json").is_file():
+        for name in _TOKENIZER_FILES:
+            if (checkpoint_dir / name).is_file():
+                (tmp / name).symlink_to(checkpoint_dir / name)
+    else:
+        save_tokenizer(tmp, traj_vocab_size)
     Qwen2VLImageProcessorFast(
         patch_size=16,
         temporal_patch_size=2,
@@ -500,6 +505,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         seed=options.seed,
         limit_mm_per_prompt={"image": options.max_images, "video": 0},
         enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
+        mm_processor_cache_gb=0,  # would keep every request's patches (on the GPU) alive
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
         logits_processors=[f"{__name__}:{TokenRangeMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),

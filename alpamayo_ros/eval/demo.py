@@ -27,7 +27,7 @@ import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
-from rclpy.executors import SingleThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage
@@ -58,7 +58,9 @@ ODOM = "/odom"
 NS = 1_000_000_000
 STEP_NS = 20_000_000  # odometry at 50 Hz
 FRAME_EVERY = 5  # camera frames at 10 Hz
-SIM_START_NS = 1_000 * NS  # simulated time starts here (0 would look like an unset clock)
+# Simulated time starts here (0 would look like an unset clock); the 50 ms offset keeps camera
+# frames between the node's planning ticks, which fall on whole periods of simulated time.
+SIM_START_NS = 1_000 * NS + 50_000_000
 
 
 @dataclass
@@ -70,8 +72,9 @@ class DemoOptions:
     width: int = 256
     height: int = 144
     max_reasoning_tokens: int = 8
+    cameras: int = 3  # front-left, front, front-right; fewer = faster CPU plans
     speed_mps: float = 8.0
-    nudge_s: float = 20.0  # wall seconds to wait for a plan before moving on without it
+    plan_timeout_s: float = 15.0  # wall seconds to wait for the node before moving on without a plan
     ready_timeout_s: float = 300.0
     extra_params: dict[str, Any] = field(default_factory=dict)
 
@@ -151,13 +154,15 @@ class DemoScene:
         self.node.create_subscription(TrajectorySet, TRAJECTORIES, self.follower.accept, reliable)
         self.ready = False
         self.node_state = "not started"
+        self.handled = 0
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
         self.recorder = Recorder(self.node, writer, [camera_topic(c) for c in rig] + [ODOM] + NODE_OUTPUTS,
                                  clock=lambda: self.sim_ns)
         self.writer = writer
         self.executor = SingleThreadedExecutor()
         self.executor.add_node(self.node)
-        self.plans_waited_out = 0
+        self.plans_waited_out = 0  # waits that ended by timeout
+        self.longest_plan_wait_s: float | None = None
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         for status in msg.status:
@@ -165,6 +170,9 @@ class DemoScene:
             if "state" in values:
                 self.node_state = values["state"]
                 self.ready = values["state"] == "ready"
+                # ticks the node has finished with: planned, rejected (any reason) or repeated
+                self.handled = sum(int(v) for k, v in values.items()
+                                   if k in ("plans", "repeated_t0") or k.startswith("rejected."))
 
     def spin(self, seconds: float) -> None:
         """Process callbacks for about `seconds` of wall time."""
@@ -211,21 +219,17 @@ class DemoScene:
         period_ns = int(NS / self.opts.rate_hz)
         lead_ns = period_ns + 300_000_000
         start_ns = self.sim_ns
-        first_plan_due = start_ns + 2 * NS  # 1.5 s of history first
+        waited_at = start_ns + 2 * NS - lead_ns  # the first plan needs 1.5 s of history
         wall0 = time.monotonic()
         dt = STEP_NS / NS
         step = 0
         while self.sim_ns - start_ns < self.opts.duration_s * NS:
             if node_process.poll() is not None:
                 raise RuntimeError(f"drive node exited with code {node_process.returncode} while driving")
-            newest = self.follower.plan_t0 if self.follower.plan_t0 is not None else first_plan_due - lead_ns
+            newest = max(self.follower.plan_t0 or 0, waited_at)
             if self.sim_ns - newest > lead_ns:  # the node is behind: give it time to plan
-                waited = time.monotonic()
-                before = self.follower.plan_t0
-                while self.follower.plan_t0 == before and time.monotonic() - waited < self.opts.nudge_s:
-                    self.spin(0.05)
-                if self.follower.plan_t0 == before:
-                    self.plans_waited_out += 1
+                self._wait_for_node()
+                waited_at = self.sim_ns
                 wall0 = time.monotonic() - (self.sim_ns - start_ns) / NS  # do not sprint to catch up
             yaw_before = self.vehicle.pose.yaw
             target = self.follower.target(self.sim_ns + STEP_NS)
@@ -236,10 +240,25 @@ class DemoScene:
             self.sim_ns += STEP_NS
             step += 1
             self.follower.log_pose(self.sim_ns, self.vehicle.pose)
-            self.publish_clock()
             self.publish_state(step, (self.vehicle.pose.yaw - yaw_before) / dt)
+            self.publish_clock()  # after the sensors, so a tick at this time finds them sent
             ahead = (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)
             self.spin(max(0.0, ahead))  # at most real time
+
+    def _wait_for_node(self) -> None:
+        """Block (simulated time frozen) until the node publishes a plan or reports a finished
+        tick, or a timeout passes: plan_timeout_s until the first plan, then three times the
+        longest wait that a plan ended (at least 5 s)."""
+        plan_before, handled_before = self.follower.plan_t0, self.handled
+        started = time.monotonic()
+        timeout = self.opts.plan_timeout_s if self.longest_plan_wait_s is None else max(5.0, 3 * self.longest_plan_wait_s)
+        while self.follower.plan_t0 == plan_before and self.handled == handled_before:
+            if time.monotonic() - started > timeout:
+                self.plans_waited_out += 1
+                return
+            self.spin(0.05)
+        if self.follower.plan_t0 != plan_before:
+            self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
 
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=1.0)
@@ -304,7 +323,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
         checkpoint = write_checkpoint(out / "checkpoint")
         logger.info("wrote a tiny random checkpoint to %s", checkpoint)
-    rig = default_rig(opts.width, opts.height)
+    rig = default_rig(opts.width, opts.height)[: opts.cameras]
     params_file = out / "drive.yaml"
     _write_params(params_file, node_parameters(opts, rig, checkpoint))
     bag = out / "session"
@@ -376,13 +395,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="simulated seconds to drive")
     parser.add_argument("--rate", type=float, default=1.0, help="planning rate (Hz)")
     parser.add_argument("--max-reasoning-tokens", type=int, default=8)
+    parser.add_argument("--cameras", type=int, choices=(1, 2, 3), default=3, help="cameras in the rig (1 = front only)")
     parser.add_argument("--device", default="cpu", help="model.device of the node (cuda for real weights on a GPU)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     extra = {"model.device": args.device} if args.device != "cpu" else {}
     opts = DemoOptions(out=args.out, checkpoint=args.checkpoint, duration_s=args.duration, rate_hz=args.rate,
-                       max_reasoning_tokens=args.max_reasoning_tokens, extra_params=extra)
-    doc = run_demo(opts)
+                       max_reasoning_tokens=args.max_reasoning_tokens, cameras=args.cameras, extra_params=extra)
+    try:
+        doc = run_demo(opts)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        logger.error("interrupted; the recording so far is in %s", opts.out / "session")
+        raise SystemExit(130) from None
     s = doc["summary"]
     online = doc.get("online_plans", {})
     print(f"\n{DISCLAIMER}\n")

@@ -184,7 +184,7 @@ def plot_drive_map(path: Path, centerline: np.ndarray, lane_width_m: float, driv
         ax.plot(*driven_xy[0], "go", label="start")
     ax.set_xlim(lo[0], hi[0])
     ax.set_ylim(lo[1], hi[1])
-    ax.set_aspect("equal", adjustable="datalim")
+    ax.set_aspect("equal", adjustable="box")
     ax.set_xlabel("x (m)")
     ax.set_ylabel("y (m)")
     ax.grid(alpha=0.3)

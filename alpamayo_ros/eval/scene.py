@@ -58,10 +58,13 @@ class PinholeCamera:
 
 
 def default_rig(width: int = 256, height: int = 144) -> tuple[PinholeCamera, ...]:
-    """Front-left, front and front-right cameras (upstream indices 0, 1, 2), 120 degree FOV."""
+    """Front, front-left and front-right cameras (upstream indices 1, 0, 2), 120 degree FOV.
+
+    The front camera comes first so a shortened rig keeps it.
+    """
     return (
-        PinholeCamera(0, width, height, 120.0, x_m=1.8, y_m=0.6, yaw=math.radians(60)),
         PinholeCamera(1, width, height, 120.0, x_m=1.8),
+        PinholeCamera(0, width, height, 120.0, x_m=1.8, y_m=0.6, yaw=math.radians(60)),
         PinholeCamera(2, width, height, 120.0, x_m=1.8, y_m=-0.6, yaw=math.radians(-60)),
     )
 

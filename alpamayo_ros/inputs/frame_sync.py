@@ -31,6 +31,9 @@ def _s(ns: int) -> str:
 class FrameSyncConfig:
     """Which cameras to sync and how strictly.
 
+    max_skew_ns: how much older the slowest camera's newest frame may be than the other
+        cameras' previous frames (one frame of natural trailing between free-running cameras
+        is always allowed on top).
     max_age_ns: newest frame of every camera must be at most this old against the caller's
         clock; 0 disables the check (offline evaluation without a clock).
     """
@@ -60,8 +63,8 @@ class FrameSyncConfig:
 
     @property
     def retention_ns(self) -> int:
-        """How far behind a camera's newest frame frames are kept (covers skew and matching)."""
-        return self.window_ns + self.max_skew_ns + self.max_frame_error_ns + self.frame_spacing_ns
+        """How far behind a camera's newest frame frames are kept (covers lag and matching)."""
+        return self.window_ns + self.max_skew_ns + self.max_frame_error_ns + 2 * self.frame_spacing_ns
 
 
 @dataclass(frozen=True)
@@ -150,12 +153,18 @@ class FrameSync(Generic[FrameT]):
                 )
         if t0_ns is None:
             lagging = min(newest, key=newest.__getitem__)
-            leading = max(newest, key=newest.__getitem__)
-            skew = newest[leading] - newest[lagging]
-            if skew > cfg.max_skew_ns:
+            # Free-running cameras naturally trail each other by up to one frame, so the lag
+            # is measured against the others' previous frames, not their newest ones.
+            previous = {
+                camera: stamps[-2] if len(stamps) > 1 else stamps[-1] for camera, stamps in self._stamps.items()
+            }
+            leading = max(previous, key=previous.__getitem__)
+            lag = previous[leading] - newest[lagging]
+            if lag > cfg.max_skew_ns:
                 return Rejection(
                     RejectReason.CAMERA_SKEW,
-                    f"camera {lagging} lags camera {leading} by {_s(skew)} (max {_s(cfg.max_skew_ns)})",
+                    f"camera {lagging} lags: its newest frame is {_s(lag)} older than camera {leading}'s "
+                    f"previous one (max {_s(cfg.max_skew_ns)})",
                 )
             t0_ns = newest[lagging]
         targets = [t0_ns - (cfg.frames_per_camera - 1 - k) * cfg.frame_spacing_ns for k in range(cfg.frames_per_camera)]

@@ -135,7 +135,11 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         maximum=1.0,
     ),
     ParamSpec(
-        "cameras.max_skew_s", 0.05, "Largest allowed spread of the cameras' newest stamps.", minimum=0.0, maximum=1.0
+        "cameras.max_skew_s",
+        0.05,
+        "How much older the slowest camera's newest frame may be than the other cameras' previous frames.",
+        minimum=0.0,
+        maximum=1.0,
     ),
     ParamSpec(
         "cameras.max_age_s",
