@@ -4,16 +4,18 @@ Issue 7's workload: the full-size expert (36 layers, hidden 2048, ~2.29B paramet
 with random weights, a random 3100-token prefix cache, 1 sample, 10 Euler steps. Every
 variant runs in the same process on the same inputs, so the printed ratios are same-run
 figures. Times are wall-clock per `sample` call with the device synchronised (p50 over
---runs), so the graph variants include loading the cache into their state. The bandwidth
-floor reads every expert weight and the prefix K/V once per step at the measured copy
-bandwidth.
+--runs) after one untimed call (whose time, capture and compile included, is printed as
+"first call"); the graph variants include loading the cache into their state. The
+bandwidth floor reads every expert weight and the prefix K/V once per step at the measured
+copy bandwidth. --micro adds per-kernel times (attention backends, each GEMM) from CUDA
+graphs of 20 calls.
 
-Parity is checked on one Euler step (x1 - x0 = v / steps): with random weights the
-10-step flow is chaotic (Fourier frequencies up to 100 amplify a bf16 rounding ~400x per
-step), so end points of different but equally valid kernels do not agree.
+Parity is checked on one Euler step of dt = 1 (x1 - x0 = v): with random weights the
+10-step flow is chaotic (Fourier frequencies up to 100 amplify a rounding ~400x per step),
+so end points of different but equally valid kernels do not agree.
 
-    PYTHONPATH=. python bench/expert_loop_bench.py --out results.json   # on the GPU machine
-    PYTHONPATH=. python bench/expert_loop_bench.py --smoke              # tiny sizes, any device
+    PYTHONPATH=. python bench/expert_loop_bench.py --micro --out results.json   # on the GPU
+    PYTHONPATH=. python bench/expert_loop_bench.py --smoke                      # tiny, any device
 """
 
 from __future__ import annotations

@@ -94,8 +94,11 @@ def main() -> None:
         save()
 
     started = time.perf_counter()
-    options = dict(gpu_memory_utilization=0.4, max_model_len=8192, max_num_seqs=args.samples, enforce_eager=args.eager, cache_dir=work)
-    vllm_pipe = Pipeline.from_checkpoint(checkpoint, backend="vllm", device="cuda", dtype="bfloat16", backend_options=options)
+    options = dict(gpu_memory_utilization=0.4, max_model_len=8192, max_num_seqs=args.samples, enforce_eager=args.eager)
+    options["cache_dir"] = work
+    vllm_pipe = Pipeline.from_checkpoint(
+        checkpoint, backend="vllm", device="cuda", dtype="bfloat16", backend_options=options
+    )
     report["vllm_load_s"] = time.perf_counter() - started
     import vllm
 
@@ -128,7 +131,8 @@ def main() -> None:
         inputs = driving_input((0, 1, 2, 6), 4, "Turn right in 30m", seed=1)
         prompt = vllm_pipe.driving_prompt(inputs, vllm_pipe.preprocess(inputs))
         kw = dict(num_samples=args.samples, temperature=0.6, top_p=0.98, max_new_tokens=40)
-        ours, ms = timed(lambda: vllm_pipe.backbone.rollout(prompt, generator=torch.Generator("cuda").manual_seed(1), **kw), 3)
+        generator = torch.Generator("cuda")
+        ours, ms = timed(lambda: vllm_pipe.backbone.rollout(prompt, generator=generator.manual_seed(1), **kw), 3)
         traj = range(ids.traj_start, ids.traj_start + ids.traj_vocab_size)
         oracle = hf_pipe.backbone.prefill(prompt, ours.generated_ids)
         return {

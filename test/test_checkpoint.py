@@ -96,7 +96,7 @@ def test_missing_tensors_are_listed(tiny_checkpoint: Path, tmp_path: Path, tenso
     config = copy_with(tiny_checkpoint, tmp_path / "ckpt", partial)
     with pytest.raises(CheckpointError, match=r"expert tensors do not match the model: 1 missing: expert.norm.weight"):
         load_expert(config, dtype=torch.float32, device="cpu")
-    with pytest.raises(CheckpointError, match=r"backbone tensors .*1 missing: lm_head.weight"):
+    with pytest.raises(CheckpointError, match=r"backbone tensors .*1 missing: vlm.lm_head.weight"):
         load_backbone(config, dtype=torch.float32, device="cpu")
 
 
@@ -117,7 +117,7 @@ def test_wrong_shapes_are_listed(tiny_checkpoint: Path, tmp_path: Path, tensors)
     bad = dict(tensors)
     bad["vlm.model.language_model.norm.weight"] = torch.ones(65)
     config = copy_with(tiny_checkpoint, tmp_path / "ckpt", bad)
-    with pytest.raises(CheckpointError, match=r"wrong shape: model.language_model.norm.weight \(65,\) != \(64,\)"):
+    with pytest.raises(CheckpointError, match=r"wrong shape: vlm.model.language_model.norm.weight \(65,\) != \(64,\)"):
         load_backbone(config, dtype=torch.float32, device="cpu")
     # the expert alone never reads backbone tensors (the vLLM backend loads those itself)
     expert = load_expert(config, dtype=torch.float32, device="cpu")

@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
-from alpamayo_ros.eval.bags import BagWriter
-from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
-from alpamayo_ros.eval.evaluate import (FUTURE_UNAVAILABLE, ReportOptions, drive_settings, evaluate_bag,
-                                        load_params_file, main, write_report)
-from alpamayo_ros.eval.report import CameraProjection
+from alpamayo_ros.eval.bags import TRAJECTORY_SET, BagWriter, register_msgtype
+from alpamayo_ros.eval.evaluate import FUTURE_UNAVAILABLE, drive_settings, evaluate_bag, load_params_file, main
+from alpamayo_ros.eval.report import CameraProjection, ReportOptions, write_report
 
 S = 1_000_000_000
 T_START = 1_000 * S
@@ -53,9 +51,12 @@ class FutureOracle:
                     timings_ms={"total": 1.0})
 
 
-@pytest.fixture(scope="module")
-def bag(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("eval") / "circle"
+PLAN_T0S = [T_START + k * S for k in (2, 3, 4)]  # camera 0 frame stamps
+
+
+def write_circle_bag(path: Path, with_plans: bool = False) -> Path:
+    """12 s on the circle: odometry 50 Hz, two cameras 10 Hz; optionally the node's plans
+    (TrajectorySet in base_link) that equal the recorded future at PLAN_T0S."""
     rng = np.random.default_rng(0)
     with BagWriter(path, storage="mcap") as w:
         for i in range(int(DURATION_S * 50) + 1):  # odometry 50 Hz, logged 3 ms after capture
@@ -68,7 +69,24 @@ def bag(tmp_path_factory) -> Path:
                     img = rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)
                     stamp = t + c * 7_000_000
                     w.write(topic, "sensor_msgs/msg/CompressedImage", stamp + 20_000_000, w.compressed_image(img, stamp, topic))
+        if with_plans:
+            ts = w.typestore
+            register_msgtype(ts, TRAJECTORY_SET)
+            pose, point, quat = ts.types["geometry_msgs/msg/Pose"], ts.types["geometry_msgs/msg/Point"], ts.types["geometry_msgs/msg/Quaternion"]
+            for t0 in PLAN_T0S:
+                poses = [pose(position=point(x=float(p[0]), y=float(p[1]), z=float(p[2])), orientation=quat(x=0.0, y=0.0, z=0.0, w=1.0))
+                         for p in future_in_t0_frame(t0)]
+                msg = ts.types[TRAJECTORY_SET](
+                    header=w.header(t0, "base_link"), dt_s=0.1, horizon_s=6.4,
+                    samples=[ts.types["alpamayo_ros_msgs/msg/Trajectory"](poses=poses)],
+                    scores=np.zeros(1, np.float32), selected_index=0, selection_policy="first")
+                w.write("/alpamayo_drive/output/trajectories", TRAJECTORY_SET, t0 + 500_000_000, msg)
     return path
+
+
+@pytest.fixture(scope="module")
+def bag(tmp_path_factory) -> Path:
+    return write_circle_bag(tmp_path_factory.mktemp("eval") / "circle")
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +179,22 @@ def test_shipped_params_file_is_accepted(tmp_path):
     assert settings.frame_sync.camera_indices == (0, 1, 2, 6)
 
 
-def test_cli_runs_the_real_pipeline_on_a_tiny_checkpoint(bag, params_file, tmp_path):
-    checkpoint = write_checkpoint(tmp_path / "tiny")
+def test_cli_runs_the_real_pipeline_on_a_tiny_checkpoint(bag, params_file, tiny_checkpoint, tmp_path):
     out = tmp_path / "report"
-    main([str(bag), "--checkpoint", str(checkpoint), "--params-file", str(params_file), "--out", str(out),
+    main([str(bag), "--checkpoint", str(tiny_checkpoint), "--params-file", str(params_file), "--out", str(out),
           "--max-ticks", "5", "--max-reasoning-tokens", "4", "--no-progress", "--front-camera", "20,20,12,8,24,16"])
     doc = json.loads((out / "report.json").read_text())
     assert doc["ticks_total"] == 5 and doc["summary"]["count"] >= 1  # ticks at 2.0 and 2.5 s have history
     scored = [t for t in doc["bags"][0]["ticks"] if "min_ade" in t]
     assert all(math.isfinite(t["min_ade"]) and t["timings_ms"]["total"] > 0 for t in scored)
     assert doc["backend"] == "hf" and "camera_0.png" in doc["plots"]
+
+
+def test_cli_scores_recorded_node_plans(params_file, tmp_path):
+    bag = write_circle_bag(tmp_path / "with_plans", with_plans=True)
+    out = tmp_path / "report"
+    main([str(bag), "--plans-topic", "/alpamayo_drive/output/trajectories", "--params-file", str(params_file),
+          "--out", str(out), "--no-progress"])
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["summary"]["count"] == len(PLAN_T0S) and doc["summary"]["min_ade_mean"] < 1e-3
+    assert [t["t0_ns"] for t in doc["bags"][0]["ticks"]] == PLAN_T0S

@@ -127,8 +127,8 @@ def test_plans_are_published_with_t0_stamp_and_frame(harness: Harness) -> None:
     t0 = stamp_ns(path.header.stamp)
     assert len(path.poses) == 64
     assert path.header.frame_id == "odom"  # output.frame odom -> the odometry message's frame
-    # t0 is a capture stamp the rig published: the oldest of the cameras' newest stamps (camera 0)
-    assert t0 in harness.cameras[0].stamps_ns
+    # t0 is a capture stamp the rig published: the oldest of the cameras' newest stamps
+    assert any(t0 in camera.stamps_ns for camera in harness.cameras)
     assert all(stamp_ns(pose.header.stamp) == t0 + (k + 1) * 100_000_000 for k, pose in enumerate(path.poses))
     # odom frame: the plan starts at the ego's ground-truth position at t0, ~0.5 m ahead at 5 m/s
     ego_x, ego_y = harness.rig.ego_xy(t0)
@@ -181,7 +181,7 @@ def _faults() -> list[tuple[str, str, str, Callable[[Harness], None], Callable[[
     rig = lambda h: h.rig  # noqa: E731
     all_shapes = lambda shape: lambda h: [setattr(c, "shape", shape) for c in h.cameras]  # noqa: E731
     return [
-        ("camera stops", "rejected.camera_stale", "camera 2", set_attr(camera(2), "stopped", True), set_attr(camera(2), "stopped", False), 0.05),
+        ("camera stops", "rejected.camera_stale", "camera 2: newest frame is", set_attr(camera(2), "stopped", True), set_attr(camera(2), "stopped", False), 0.05),
         ("camera skewed", "rejected.camera_skew", "camera 6 lags", set_attr(camera(6), "stamp_offset_ns", -200_000_000),
          set_attr(camera(6), "stamp_offset_ns", 0), 0.05),
         ("unsupported encoding", "rejected.unsupported_encoding", "camera 1 (/rig/cam_front/image): encoding 'yuv422'",
@@ -210,16 +210,26 @@ def test_fault_is_reported_without_path_and_node_survives(
     before = harness.counter(counter)
     started_mono = time.monotonic()
     started_ns = harness.rig.now_ns()
+
+    def reports() -> list[str]:
+        return [
+            f"{v['last_rejection']} | {v['last_error']}"
+            for v in map(diag_values, harness.diagnostics.since(started_mono))
+        ]
+
     inject(harness)
     try:
-        seen = wait_until(lambda: harness.counter(counter) > before, timeout_s=FAULT_TIMEOUT_S)
+        # the fault's own reason must be reported (a busy machine can add unrelated ones)
+        seen = wait_until(
+            lambda: harness.counter(counter) > before and any(expected in text for text in reports()),
+            timeout_s=FAULT_TIMEOUT_S,
+        )
     finally:
         ended_ns = harness.rig.now_ns()
         restore(harness)
-    assert seen, f"{name}: {counter} never increased\n{harness.log_text()}"
-    reports = [diag_values(m) for m in harness.diagnostics.since(started_mono)]
-    texts = [f"{values['last_rejection']} | {values['last_error']}" for values in reports]
-    assert any(expected in text for text in texts), f"{name}: no report naming {expected!r}: {texts[-3:]}"
+    assert (
+        seen
+    ), f"{name}: {counter} {before} -> {harness.counter(counter)}, reports {reports()[-3:]}\n{harness.log_text()}"
     if counter == "rejected.model_error":
         assert any(m.status[0].level == DiagnosticStatus.ERROR for m in harness.diagnostics.since(started_mono))
     window_start = started_ns + int(slack_s * 1e9)

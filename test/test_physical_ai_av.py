@@ -11,12 +11,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from alpamayo_ros.eval.bags import bag_topics, decode_image, read_messages, stamp_to_ns
+from alpamayo_ros.eval.bags import bag_topics, decode_image, read_messages
+from alpamayo_ros.eval.evaluate import load_params_file
 from alpamayo_ros.eval.physical_ai_av import convert_clip, main
+from alpamayo_ros.ros.convert import stamp_to_ns
 
 CLIP = "0b7c5a9e-1111-4c1e-9d2a-5f3a2b1c0d9e"
 OTHER = "77aa0000-2222-4e2f-8a3b-6c4d5e6f7a8b"  # same chunk, different content: must not leak in
 CAMS = ("camera_front_wide_120fov", "camera_cross_left_120fov")
+# the drive node's default topics (config/drive.yaml), so converted clips need no topic map
+TOPICS = {"camera_front_wide_120fov": "/camera/front_wide/image/compressed",
+          "camera_cross_left_120fov": "/camera/cross_left/image/compressed"}
 FPS, N_FRAMES = 30, 60
 START_US = 1_000_000
 SPEED = 5.0
@@ -88,14 +93,14 @@ def test_topics_and_counts(bag):
     topics = bag_topics(bag)
     assert topics == {
         "/odom": ("nav_msgs/msg/Odometry", 220),
-        **{f"/cameras/{cam}/image/compressed": ("sensor_msgs/msg/CompressedImage", N_FRAMES // 3) for cam in CAMS},
+        **{TOPICS[cam]: ("sensor_msgs/msg/CompressedImage", N_FRAMES // 3) for cam in CAMS},
     }
     assert list(bag.glob("*.mcap"))
 
 
 def test_camera_frames_keep_capture_stamps_and_content(bag):
     for c, cam in enumerate(CAMS):
-        msgs = [m for m in read_messages(bag, topics=[f"/cameras/{cam}/image/compressed"])]
+        msgs = [m for m in read_messages(bag, topics=[TOPICS[cam]])]
         stamps = [stamp_to_ns(m.msg.header.stamp) for m in msgs]
         # 30 fps thinned to 10 Hz keeps frames 0, 3, 6, ...
         want_us = START_US + 1_000 * c + np.arange(0, N_FRAMES, 3) * 1_000_000 // FPS
@@ -126,7 +131,7 @@ def test_time_window_and_resize(dataset, tmp_path):
     out = tmp_path / "window"
     counts = convert_clip(dataset, CLIP, out, cameras=CAMS[:1], start_s=0.5, duration_s=1.0, max_width=32)
     assert counts["/odom"] == 101
-    msgs = list(read_messages(out, topics=[f"/cameras/{CAMS[0]}/image/compressed"]))
+    msgs = list(read_messages(out, topics=[TOPICS[CAMS[0]]]))
     stamps = [stamp_to_ns(m.msg.header.stamp) for m in msgs]
     assert min(stamps) >= (START_US + 500_000) * 1000 and max(stamps) <= (START_US + 1_500_000) * 1000
     assert decode_image(msgs[0].msg).shape == (24, 32, 3)
@@ -137,3 +142,9 @@ def test_unknown_clip_and_camera_are_named(dataset, tmp_path):
         convert_clip(dataset, "not-a-clip", tmp_path / "a")
     with pytest.raises(ValueError, match="camera_nope"):
         convert_clip(dataset, CLIP, tmp_path / "b", cameras=["camera_nope"])
+
+
+def test_default_topics_are_the_node_defaults(bag):
+    shipped = load_params_file(Path(__file__).resolve().parents[1] / "config" / "drive.yaml")
+    assert set(TOPICS.values()) <= set(shipped["cameras.topics"]) and "/odom" == shipped["odometry.topic"]
+    assert set(TOPICS.values()) <= set(bag_topics(bag))

@@ -130,7 +130,7 @@ def test_tensor_errors_name_the_tensor(tiny_checkpoint: Path, tmp_path: Path) ->
     unexpected["vlm.model.language_model.layers.4.mlp.up_proj.weight"] = torch.zeros(128, 64)
     for name, variant, message in (
         ("missing", missing, r"1 missing: action_in_proj.norm.weight"),
-        ("unexpected", unexpected, r"1 unexpected: model.language_model.layers.4.mlp.up_proj.weight"),
+        ("unexpected", unexpected, r"1 unexpected: vlm.model.language_model.layers.4.mlp.up_proj.weight"),
     ):
         target = tmp_path / name
         shutil.copytree(tiny_checkpoint, target, ignore=shutil.ignore_patterns("*.safetensors"))

@@ -53,7 +53,9 @@ class EngineOptions:
         if self.tensor_parallel_size != 1:
             # NOTE: with TP > 1 the workers are other processes, and each holds only its
             # shard of the K/V heads: the in-process capture cannot reach them.
-            raise ValueError(f"tensor_parallel_size: only 1 is supported (in-process K/V capture), got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"tensor_parallel_size: only 1 is supported (in-process K/V capture), got {self.tensor_parallel_size}"
+            )
         for name in ("max_model_len", "max_num_seqs", "max_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -276,17 +278,19 @@ class VLLMBackbone:
             if capture.keys[0].shape[0] < length:
                 raise RuntimeError(f"row {row}: vLLM holds K/V of {capture.keys[0].shape[0]} tokens, need {length}")
         rows, width = len(captured), max(lengths)
-        sample = captured[0].keys[0]  # (T, H, D)
+        _, heads, head_dim = captured[0].keys[0].shape  # (T, H, D)
+        device = captured[0].keys[0].device
         keys, values = [], []
         for layer in range(len(captured[0].keys)):
-            k = sample.new_zeros(rows, width, *sample.shape[1:])  # (N, T, H, D)
-            v = sample.new_zeros(rows, width, *sample.shape[1:])
+            k = captured[0].keys[layer].new_zeros(rows, heads, width, head_dim)  # (N, H, T, D), as HF's cache
+            v = torch.zeros_like(k)
             for row, (capture, length) in enumerate(zip(captured, lengths)):
-                k[row, :length] = capture.keys[layer][:length]
-                v[row, :length] = capture.values[layer][:length]
-            keys.append(k.transpose(1, 2))  # (N, H, T, D)
-            values.append(v.transpose(1, 2))
-        device = sample.device
+                k[row, :, :length] = capture.keys[layer][:length].transpose(0, 1)
+                v[row, :, :length] = capture.values[layer][:length].transpose(0, 1)
+            for capture in captured:  # release this layer's row copies before the next one
+                capture.keys[layer] = capture.values[layer] = None
+            keys.append(k)
+            values.append(v)
         valid = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
         stop = self._ids.traj_future_start
         offsets = [prompt_len + (row.index(stop) + 1 if stop in row else len(row)) for row in map(list, generated)]

@@ -88,13 +88,19 @@ def read_tensors(
     return tensors
 
 
-def load_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    """Copy tensors into module's state, failing on any missing/unexpected name or shape."""
+def load_strict(
+    module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str, prefix_map: Mapping[str, str]
+) -> None:
+    """Copy tensors into module's state, failing on any missing/unexpected name or shape.
+
+    Names in the error are checkpoint names (prefix_map maps them to module names).
+    """
     expected = module.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    to_checkpoint = {module_prefix: ckpt_prefix for ckpt_prefix, module_prefix in prefix_map.items()}
+    missing = sorted(_rename(name, to_checkpoint) or name for name in set(expected) - set(tensors))
+    unexpected = sorted(_rename(name, to_checkpoint) or name for name in set(tensors) - set(expected))
     wrong_shape = [
-        f"{name} {tuple(tensors[name].shape)} != {tuple(expected[name].shape)}"
+        f"{_rename(name, to_checkpoint)} {tuple(tensors[name].shape)} != {tuple(expected[name].shape)}"
         for name in sorted(set(expected) & set(tensors))
         if tensors[name].shape != expected[name].shape
     ]
@@ -130,7 +136,7 @@ def load_expert(
     check_no_stray_tensors(files)
     with torch.device(device), _default_dtype(dtype):
         model = ActionExpertModel(config.expert)
-    load_strict(model, read_tensors(files, EXPERT_PREFIX_MAP, dtype=dtype, device=device), "expert")
+    load_strict(model, read_tensors(files, EXPERT_PREFIX_MAP, dtype=dtype, device=device), "expert", EXPERT_PREFIX_MAP)
     return model.eval()
 
 
@@ -146,7 +152,8 @@ def load_backbone(
     hf_config = config.backbone.hf_config(config.vocab_size, dtype)
     with torch.device(device), no_init_weights():  # every parameter is overwritten below
         model = Qwen3VLForConditionalGeneration._from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
-    load_strict(model, read_tensors(files, BACKBONE_PREFIX_MAP, dtype=dtype, device=device), "backbone")
+    tensors = read_tensors(files, BACKBONE_PREFIX_MAP, dtype=dtype, device=device)
+    load_strict(model, tensors, "backbone", BACKBONE_PREFIX_MAP)
     return model.eval()
 
 

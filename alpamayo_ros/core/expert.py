@@ -196,8 +196,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 MASK_CHANNELS = 8
 
 #: SDPA backends of the prepared path, in order of preference. Flash first: its split-KV
-#: kernel spreads a few heads x 64 queries over all SMs, while the cuDNN kernel PyTorch
-#: prefers on Hopper runs one block per head and query tile (bench/EXPERT.md).
+#: kernel spreads 8 kv heads x 256 folded queries over all SMs; the cuDNN kernel PyTorch
+#: prefers on Hopper took twice as long on an H200 (bench/EXPERT.md: 23 vs 46 us a layer).
 _PREPARED_ATTENTION = [
     SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,

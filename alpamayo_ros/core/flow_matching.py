@@ -148,10 +148,15 @@ class ExpertSampler:
     the padding columns are masked, so one captured graph serves every plan of that bucket
     and row count (bucket=1: exact lengths, unmasked when nothing else needs a mask). A
     guided plan runs conditional and route-free rows as one batch, so each step reads the
-    weights once. Graphs are captured lazily on first use of a shape and kept; on CPU (or
-    with cuda_graphs=False) the same states run eagerly.
+    weights once. Graphs are captured lazily on first use of a shape and kept (about 1 s);
+    on CPU (or with cuda_graphs=False) the same states run eagerly.
 
-    Valid while the expert's parameters stay where they are: a graph holds their addresses.
+    compile_layers: torch.compile the layer step (fuses the norms, RoPE and K/V writes; 30%
+    faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
+    dynamo's recompile limit (8 shapes) further shapes run the layer uncompiled.
+
+    Each shape keeps its state (~0.5 GB per row at full size, T ~3100) and graph. Valid while
+    the expert's parameters stay where they are: a graph holds their addresses.
     """
 
     def __init__(

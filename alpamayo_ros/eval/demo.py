@@ -4,7 +4,7 @@ The demo process renders the road for a few small cameras, publishes them with o
 /clock, and moves the ego vehicle along the plans the drive node (its console script, a
 separate process, on simulated time) publishes. Simulated time waits for the node: it runs
 at most real time, and never more than one planning period plus a little ahead of the
-newest plan, so a slow CPU model yields the same drive as a fast GPU one. Everything is
+newest plan, so a slow CPU model still drives the car as if it planned in time. Everything is
 recorded to MCAP; afterwards the evaluator re-plans at the node's t0s from the recording
 (the node's input code, the same checkpoint and seed), scores the plans against the driven
 path and checks that it reproduces the node's plans.
@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import cv2
 import numpy as np
 import rclpy
+import yaml
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
@@ -33,14 +35,13 @@ from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
-from alpamayo_ros.eval import report
 from alpamayo_ros.eval.bags import BagWriter
-from alpamayo_ros.eval.evaluate import (RecordedPlans, ReportOptions, drive_settings, evaluate_bag, plan_differences,
-                                        write_report)
+from alpamayo_ros.eval.evaluate import RecordedPlans, drive_settings, evaluate_bag, load_pipeline, plan_differences
 from alpamayo_ros.eval.metrics import summarize
 from alpamayo_ros.eval.record import Recorder
+from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, Pose2D, Renderer, Road, Vehicle, default_rig
-from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.ros.convert import ns_to_stamp, stamp_to_ns
 from alpamayo_ros_msgs.msg import TrajectorySet
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ NODE_OUTPUTS = [TRAJECTORIES, f"/{NODE}/output/path", f"/{NODE}/output/reasoning
                 f"/{NODE}/debug/markers", "/diagnostics"]
 ODOM = "/odom"
 NS = 1_000_000_000
+MIN_SPEED_MPS = 2.0  # a random plan that stops would otherwise end the drive for good
 STEP_NS = 20_000_000  # odometry at 50 Hz
 FRAME_EVERY = 5  # camera frames at 10 Hz
 # Simulated time starts here (0 would look like an unset clock); the 50 ms offset keeps camera
@@ -72,7 +74,7 @@ class DemoOptions:
     width: int = 256
     height: int = 144
     max_reasoning_tokens: int = 8
-    cameras: int = 3  # front-left, front, front-right; fewer = faster CPU plans
+    cameras: int = 3  # front, front-left, front-right; fewer = faster CPU plans
     speed_mps: float = 8.0
     plan_timeout_s: float = 15.0  # wall seconds to wait for the node before moving on without a plan
     ready_timeout_s: float = 300.0
@@ -114,8 +116,8 @@ class PlanFollower:
         self.poses[t_ns] = Pose2D(pose.x, pose.y, pose.yaw)
 
     def accept(self, msg: TrajectorySet) -> None:
-        t0 = msg.header.stamp.sec * NS + msg.header.stamp.nanosec
-        if not msg.samples or (self.plan_t0 is not None and t0 <= self.plan_t0):
+        t0 = stamp_to_ns(msg.header.stamp)
+        if not msg.samples or not self.poses or (self.plan_t0 is not None and t0 <= self.plan_t0):
             return
         pose = self.poses.get(t0) or self.poses[min(self.poses, key=lambda t: abs(t - t0))]
         sample = msg.samples[max(msg.selected_index, 0)]
@@ -143,10 +145,11 @@ class DemoScene:
         self.road = Road.winding()
         self.renderer = Renderer(self.road, tuple(rig))
         self.vehicle = Vehicle.on_road(self.road, speed=opts.speed_mps)
-        self.vehicle.min_speed = 2.0
+        self.vehicle.min_speed = MIN_SPEED_MPS
         self.follower = PlanFollower()
         self.sim_ns = SIM_START_NS
         self.node = rclpy.create_node("alpamayo_demo_scene")
+        # reliable: matches the node's best-effort subscriptions and the reliable recorder alike
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.camera_pubs = {c.index: self.node.create_publisher(CompressedImage, camera_topic(c), reliable) for c in rig}
         self.odom_pub = self.node.create_publisher(Odometry, ODOM, reliable)
@@ -158,7 +161,6 @@ class DemoScene:
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
         self.recorder = Recorder(self.node, writer, [camera_topic(c) for c in rig] + [ODOM] + NODE_OUTPUTS,
                                  clock=lambda: self.sim_ns)
-        self.writer = writer
         self.executor = SingleThreadedExecutor()
         self.executor.add_node(self.node)
         self.plans_waited_out = 0  # waits that ended by timeout
@@ -216,8 +218,9 @@ class DemoScene:
 
     def drive(self, node_process: subprocess.Popen) -> None:
         """The closed loop: step the world, publish, follow plans, wait for a lagging node."""
-        period_ns = int(NS / self.opts.rate_hz)
-        lead_ns = period_ns + 300_000_000
+        # Run at most this far past the newest plan's t0: just past the next planning tick, so
+        # the node plans with the world paused and its callbacks never compete with the model.
+        lead_ns = int(NS / self.opts.rate_hz) + 150_000_000
         start_ns = self.sim_ns
         waited_at = start_ns + 2 * NS - lead_ns  # the first plan needs 1.5 s of history
         wall0 = time.monotonic()
@@ -240,7 +243,8 @@ class DemoScene:
             self.sim_ns += STEP_NS
             step += 1
             self.follower.log_pose(self.sim_ns, self.vehicle.pose)
-            self.publish_state(step, (self.vehicle.pose.yaw - yaw_before) / dt)
+            turned = (self.vehicle.pose.yaw - yaw_before + math.pi) % (2 * math.pi) - math.pi
+            self.publish_state(step, turned / dt)
             self.publish_clock()  # after the sensors, so a tick at this time finds them sent
             ahead = (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)
             self.spin(max(0.0, ahead))  # at most real time
@@ -260,14 +264,21 @@ class DemoScene:
         if self.follower.plan_t0 != plan_before:
             self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
 
+    def summary(self, started_monotonic: float) -> dict[str, Any]:
+        return {"plans_followed": len(self.follower.world_plans), "clamped_steps": self.vehicle.clamped_steps,
+                "plans_waited_out": self.plans_waited_out, "recorded": dict(self.recorder.counts),
+                "node_state": self.node_state, "drive_wall_s": time.monotonic() - started_monotonic}
+
+    def driven_xy(self) -> np.ndarray:
+        """(N, 2) world positions of the ego vehicle, in time order."""
+        return np.array([[p.x, p.y] for _, p in sorted(self.follower.poses.items())])
+
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=1.0)
         self.node.destroy_node()
 
 
 def _jpeg(rgb: np.ndarray) -> bytes:
-    import cv2
-
     ok, data = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 90])
     if not ok:
         raise ValueError(f"rgb: JPEG encoding failed for shape {rgb.shape}")
@@ -297,8 +308,7 @@ def _stop_node(process: subprocess.Popen) -> int:
 
 
 def _write_params(path: Path, parameters: dict[str, Any]) -> None:
-    import yaml
-
+    """Dotted names -> a `/**: ros__parameters:` YAML (the node's and the evaluator's input)."""
     nested: dict[str, Any] = {}
     for name, value in parameters.items():
         *groups, leaf = name.split(".")
@@ -340,49 +350,40 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             scene.follower.log_pose(scene.sim_ns, scene.vehicle.pose)
             scene.drive(node_process)
             scene.spin(0.5)  # let the last outputs arrive before the recording closes
-            drive = {"plans_followed": len(scene.follower.world_plans), "clamped_steps": scene.vehicle.clamped_steps,
-                     "plans_waited_out": scene.plans_waited_out, "recorded": dict(scene.recorder.counts),
-                     "node_state": scene.node_state, "drive_wall_s": time.monotonic() - started}
-            driven = np.array([[p.x, p.y] for _, p in sorted(scene.follower.poses.items())])
-            world_plans, road = scene.follower.world_plans, scene.road
+            drive = scene.summary(started)
     finally:
         code = _stop_node(node_process)
         if scene is not None:
             scene.close()
         rclpy.try_shutdown()
     logger.info("drive recorded to %s (node exit code %d); evaluating", bag, code)
-    return evaluate_session(opts, bag, params_file, rig, drive, driven, world_plans, road)
+    return evaluate_session(opts.out, bag, params_file, scene, drive)
 
 
-def evaluate_session(opts: DemoOptions, bag: Path, params_file: Path, rig: Sequence[PinholeCamera], drive: dict[str, Any],
-                     driven: np.ndarray, world_plans: list[np.ndarray], road: Road) -> dict[str, Any]:
+def evaluate_session(out: Path, bag: Path, params_file: Path, scene: DemoScene, drive: dict[str, Any]) -> dict[str, Any]:
     """Score the node's plans and re-plan at its t0s with the evaluator; write the report."""
     settings = drive_settings(params_file, {})
     meta: dict[str, Any] = {"checkpoint": settings.checkpoint_path, "backend": settings.backend, "demo": drive,
                             "disclaimer": DISCLAIMER}
     results = []
     try:
-        recorded = RecordedPlans(bag, TRAJECTORIES)
+        recorded = RecordedPlans(bag, TRAJECTORIES, settings.ego_frame_id)
     except ValueError as exc:  # the node published nothing: still report why
         logger.error("no plans recorded: %s", exc)
         recorded = None
     if recorded is not None:
         online = evaluate_bag(bag, recorded, settings, t0s_ns=recorded.t0s_ns)
-        meta["online_plans"] = {"count": len(recorded.t0s_ns), **summarize(t.score for t in online.scored)}
-        from alpamayo_ros.core.pipeline import Pipeline  # torch only now
-
-        pipeline = Pipeline.from_checkpoint(settings.checkpoint_path, backend=settings.backend, device=settings.device,
-                                            dtype=settings.dtype, backend_options=settings.backend_options)
-        offline = evaluate_bag(bag, pipeline, settings, t0s_ns=recorded.t0s_ns, progress=True)
+        meta["online_plans"] = {"published": len(recorded.t0s_ns), **summarize(t.score for t in online.scored)}
+        offline = evaluate_bag(bag, load_pipeline(settings), settings, t0s_ns=recorded.t0s_ns, progress=True)
         differences = plan_differences(offline, recorded)
         meta["replan_compared"] = len(differences)
         meta["replan_max_difference_m"] = max(differences.values()) if differences else None
         results.append(offline)
-    front = next((c for c in rig if c.index == 1), rig[0])
+    front = next((c for c in scene.rig if c.index == 1), scene.rig[0])
     fx, fy, cx, cy = front.intrinsics
-    camera = report.CameraProjection(fx, fy, cx, cy, front.width, front.height, front.x_m, front.y_m, front.z_m, front.yaw)
-    out = opts.out
-    report.plot_drive_map(out / "drive_map.png", road.centerline, road.lane_width_m, driven, world_plans)
+    camera = CameraProjection(fx, fy, cx, cy, front.width, front.height, front.x_m, front.y_m, front.z_m, front.yaw)
+    plot_drive_map(out / "drive_map.png", scene.road.centerline, scene.road.lane_width_m, scene.driven_xy(),
+                   scene.follower.world_plans)
     options = ReportOptions(bev_plots=3, camera=camera, camera_index=front.index, notes=(DISCLAIMER,),
                             extra_plots=("drive_map.png",))
     return write_report(out, results, settings, options, meta)
@@ -408,13 +409,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         logger.error("interrupted; the recording so far is in %s", opts.out / "session")
         raise SystemExit(130) from None
     s = doc["summary"]
-    online = doc.get("online_plans", {})
-    print(f"\n{DISCLAIMER}\n")
-    print(f"node plans followed: {doc['demo']['plans_followed']}, scored online: {online.get('count', 0)}; "
-          f"re-planned offline: {s['count']} (minADE {s['min_ade_mean']:.2f} m, minFDE {s['min_fde_mean']:.2f} m); "
-          f"largest offline-vs-node plan difference: {doc.get('replan_max_difference_m')}")
-    print(f"recording: {opts.out / 'session'}\nreport:    {opts.out / 'report.md'} (+ report.json, "
-          f"{len(doc['plots'])} PNG plots)")
+    logger.info("node plans followed: %d; re-planned offline with 6.4 s of driven future: %d (minADE %.2f m, "
+                "minFDE %.2f m); largest offline-vs-node plan difference: %s m",
+                doc["demo"]["plans_followed"], s["count"], s["min_ade_mean"], s["min_fde_mean"],
+                doc.get("replan_max_difference_m"))
+    logger.info("recording: %s; report: %s (+ report.json, %d PNG plots)", opts.out / "session",
+                opts.out / "report.md", len(doc["plots"]))
+    logger.warning(DISCLAIMER)
 
 
 if __name__ == "__main__":

@@ -14,21 +14,22 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import yaml
 from tqdm import tqdm
 
 from alpamayo_ros.core.types import NUM_WAYPOINTS, WAYPOINT_DT_S, DrivingInput, Plan, SamplingSettings
-from alpamayo_ros.eval import report
-from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, IMAGE, ODOMETRY, bag_time_range, read_messages, stamp_to_ns
-from alpamayo_ros.eval.metrics import PlanScore, score_plan, summarize
+from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, IMAGE, ODOMETRY, TRAJECTORY_SET, bag_time_range, read_messages
+from alpamayo_ros.eval.metrics import PlanScore, score_plan
+from alpamayo_ros.eval.report import CameraProjection, ReportOptions, write_report
 from alpamayo_ros.inputs import Rejection
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
-from alpamayo_ros.inputs.ego_history import OdometryBuffer
+from alpamayo_ros.inputs.ego_history import OdometryBuffer, quaternion_to_matrix
 from alpamayo_ros.inputs.frame_sync import FrameSync
-from alpamayo_ros.ros.convert import ImageRejected, compressed_image_to_rgb, fit_image, odometry_pose, raw_image_to_rgb
+from alpamayo_ros.ros.convert import (ImageRejected, compressed_image_to_rgb, fit_image, odometry_pose, raw_image_to_rgb,
+                                      stamp_to_ns)
 from alpamayo_ros.ros.params import SPECS, DriveSettings, ParameterError, parse_settings
 
 logger = logging.getLogger(__name__)
@@ -114,54 +115,46 @@ class OdometryTrack:
         return ((xyz - ego.xyz_t0) @ ego.rot_t0).astype(np.float32)  # R_t0^T (p - p_t0), as the history
 
 
-TRAJECTORY_SET = "alpamayo_ros_msgs/msg/TrajectorySet"
-
-
 class RecordedPlans:
-    """The plans a node published (TrajectorySet, output.frame ego), looked up by t0.
+    """The plans a node published (TrajectorySet in its ego frame), looked up by t0.
 
     Scores what the node actually did online without running a model, and gives the t0s at
     which an offline re-plan must reproduce the node's plans.
     """
 
-    def __init__(self, bag: str | Path, topic: str) -> None:
-        self.xyz: dict[int, np.ndarray] = {}
-        self.coc: dict[int, str] = {}
+    def __init__(self, bag: str | Path, topic: str, ego_frame_id: str) -> None:
+        self.plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # t0 -> (xyz (S, N, 3), quat xyzw (S, N, 4))
         for m in read_messages(bag, topics=[topic]):
             if m.msgtype != TRAJECTORY_SET:
                 raise ValueError(f"plans topic {topic}: is {m.msgtype}, expected {TRAJECTORY_SET}")
-            if m.msg.header.frame_id == "odom" or not m.msg.samples:
-                raise ValueError(f"plans topic {topic}: need non-empty plans in the ego frame (output.frame: ego), "
+            if m.msg.header.frame_id != ego_frame_id or not m.msg.samples:
+                raise ValueError(f"plans topic {topic}: need plans in the ego frame {ego_frame_id!r} (output.frame: ego), "
                                  f"got frame {m.msg.header.frame_id!r} with {len(m.msg.samples)} samples")
-            t0 = stamp_to_ns(m.msg.header.stamp)
-            self.xyz[t0] = np.array([[(p.position.x, p.position.y, p.position.z) for p in s.poses] for s in m.msg.samples],
-                                    dtype=np.float32)
-        if not self.xyz:
+            poses = [[(p.position, p.orientation) for p in s.poses] for s in m.msg.samples]
+            self.plans[stamp_to_ns(m.msg.header.stamp)] = (
+                np.array([[(p.x, p.y, p.z) for p, _ in row] for row in poses], dtype=np.float32),
+                np.array([[(q.x, q.y, q.z, q.w) for _, q in row] for row in poses], dtype=np.float64))
+        if not self.plans:
             raise ValueError(f"plans topic {topic}: no messages in {bag}")
 
     @property
     def t0s_ns(self) -> list[int]:
-        return sorted(self.xyz)
+        return sorted(self.plans)
 
     def plan(self, driving_input: DrivingInput, settings: SamplingSettings) -> Plan:
-        xyz = self.xyz.get(driving_input.t0_ns)
-        if xyz is None:
+        if driving_input.t0_ns not in self.plans:
             raise KeyError(f"no recorded plan for t0 {driving_input.t0_ns}")
-        yaw = np.arctan2(np.diff(xyz[..., 1], prepend=0.0, axis=-1), np.diff(xyz[..., 0], prepend=0.0, axis=-1))
-        rot = np.zeros(xyz.shape + (3,), dtype=np.float32)
-        rot[..., 0, 0], rot[..., 0, 1], rot[..., 1, 0], rot[..., 1, 1], rot[..., 2, 2] = \
-            np.cos(yaw), -np.sin(yaw), np.sin(yaw), np.cos(yaw), 1.0
-        return Plan(xyz=xyz, rot=rot, coc=[""] * len(xyz), generated_ids=[[] for _ in xyz],
-                    t0_ns=driving_input.t0_ns, backend="recorded")
+        xyz, quat = self.plans[driving_input.t0_ns]
+        return Plan(xyz=xyz, rot=quaternion_to_matrix(quat).astype(np.float32), coc=[""] * len(xyz),
+                    generated_ids=[[] for _ in xyz], t0_ns=driving_input.t0_ns, backend="recorded")
 
 
 def plan_differences(result: BagResult, recorded: RecordedPlans) -> dict[int, float]:
     """t0 -> largest waypoint distance (m) between a re-planned and the recorded plan."""
     out = {}
     for t in result.scored:
-        theirs = recorded.xyz.get(t.t0_ns)
-        if theirs is not None and theirs.shape == t.plan.xyz.shape:
-            out[t.t0_ns] = float(np.abs(t.plan.xyz - theirs).max())
+        if t.t0_ns in recorded.plans and recorded.plans[t.t0_ns][0].shape == t.plan.xyz.shape:
+            out[t.t0_ns] = float(np.abs(t.plan.xyz - recorded.plans[t.t0_ns][0]).max())
     return out
 
 
@@ -243,8 +236,7 @@ class InputFeed:
 
 
 def evaluate_bag(bag: str | Path, planner: Planner, settings: DriveSettings, *, max_ticks: int | None = None,
-                 t0s_ns: Sequence[int] | None = None, progress: bool = False,
-                 on_tick: Callable[[TickResult], None] | None = None) -> BagResult:
+                 t0s_ns: Sequence[int] | None = None, progress: bool = False) -> BagResult:
     """Step one bag at settings' planning rate and score every plan (see module docstring).
 
     t0s_ns: plan exactly at these times instead (e.g. the t0s the node planned for online):
@@ -273,8 +265,6 @@ def evaluate_bag(bag: str | Path, planner: Planner, settings: DriveSettings, *, 
             pending = next(messages, None)
         forced_t0 = None if t0s_ns is None else tick
         result.ticks.append(_tick(tick, feed, track, planner, settings, forced_t0))
-        if on_tick is not None:
-            on_tick(result.ticks[-1])
     result.dropped_images = dict(feed.dropped)
     return result
 
@@ -287,7 +277,9 @@ def _tick(tick: int, feed: InputFeed, track: OdometryTrack, planner: Planner, se
     t0 = built.driving_input.t0_ns
     future = track.future(built, settings.ego_history.max_gap_ns)
     if isinstance(future, str):
-        return TickResult(tick, t0, skip_reason=future, skip_detail="recorded odometry does not cover t0 + 6.4 s")
+        detail = {FUTURE_UNAVAILABLE: "recorded odometry ends before t0 + 6.4 s",
+                  FUTURE_GAP: "recorded odometry has a gap inside t0 .. t0 + 6.4 s"}[future]
+        return TickResult(tick, t0, skip_reason=future, skip_detail=detail)
     try:
         plan = planner.plan(built.driving_input, settings.sampling)
     except Exception as exc:  # a failing plan is a result to report, as the node reports it
@@ -296,71 +288,11 @@ def _tick(tick: int, feed: InputFeed, track: OdometryTrack, planner: Planner, se
     return TickResult(tick, t0, score=score_plan(plan.xyz, future), plan=plan, true_xyz=future, assembly=built)
 
 
-@dataclass(frozen=True)
-class ReportOptions:
-    """What to draw: BEV plots of this many ticks (spread over the bags) and, with a camera
-    projection, that camera's t0 frame with the projected paths; extra_plots are PNGs the
-    caller already wrote into the report directory."""
-
-    bev_plots: int = 4
-    camera: report.CameraProjection | None = None
-    camera_index: int = 1
-    notes: tuple[str, ...] = ()
-    extra_plots: tuple[str, ...] = ()
-
-
-def write_report(out: Path, results: Sequence[BagResult], settings: DriveSettings,
-                 options: ReportOptions = ReportOptions(), meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """report.json, report.md and PNG plots in out; returns the JSON document."""
-    out.mkdir(parents=True, exist_ok=True)
-    scored = [t for r in results for t in r.scored]
-    skipped: Counter = Counter()
-    for r in results:
-        skipped.update(r.skipped())
-    ticks_total = sum(len(r.ticks) for r in results)
-    totals = [t.plan.timings_ms.get("total") for t in scored if t.plan is not None and "total" in t.plan.timings_ms]
-    plots: list[str] = list(options.extra_plots)
-    for r in results:
-        if r.scored:
-            name = f"metrics_{len(plots)}_{r.bag.name}.png"
-            report.plot_metrics(out / name, [(t.tick_ns - r.start_ns) / NS_PER_S for t in r.scored],
-                                [t.score.min_ade for t in r.scored], [t.score.min_fde for t in r.scored])
-            plots.append(name)
-    picks = [scored[i] for i in sorted(set(np.linspace(0, len(scored) - 1, options.bev_plots).round().astype(int)))] \
-        if scored and options.bev_plots > 0 else []
-    for n, t in enumerate(picks):
-        di, title = t.assembly.driving_input, f"t0 {t.t0_ns / NS_PER_S:.2f} s  minADE {t.score.min_ade:.2f} m"
-        report.plot_bev(out / f"bev_{n}.png", di.ego_history_xyz, t.plan.xyz, t.true_xyz, title, t.score.best_sample)
-        plots.append(f"bev_{n}.png")
-        if options.camera is not None and options.camera_index in di.camera_indices:
-            image = di.images[di.camera_indices.index(options.camera_index), -1]
-            report.plot_camera(out / f"camera_{n}.png", image, options.camera, t.plan.xyz, t.true_xyz, title)
-            plots.append(f"camera_{n}.png")
-    doc: dict[str, Any] = {
-        **(meta or {}),
-        "settings": {"rate_hz": 1.0 / settings.planning_period_s, "num_samples": settings.sampling.num_samples,
-                     "cameras": {c.index: c.topic for c in settings.cameras}, "odometry_topic": settings.odometry_topic,
-                     "image_size": settings.image_size, "sampling": vars(settings.sampling)},
-        "summary": summarize(t.score for t in scored),
-        "ticks_total": ticks_total,
-        "skipped_share": (ticks_total - len(scored)) / ticks_total if ticks_total else float("nan"),
-        "skipped": dict(skipped),
-        "latency_ms": ({"mean": float(np.mean(totals)), "p90": float(np.percentile(totals, 90)), "max": float(np.max(totals))}
-                       if totals else None),
-        "bags": [{"bag": str(r.bag), "ticks_total": len(r.ticks), "summary": summarize(t.score for t in r.scored),
-                  "skipped": dict(r.skipped()), "dropped_images": r.dropped_images, "ticks": [t.to_json(r.start_ns) for t in r.ticks]} for r in results],
-        "plots": plots,
-    }
-    report.write_json(out / "report.json", doc)
-    report.write_markdown(out / "report.md", doc, options.notes)
-    return doc
-
-
-def _camera_arg(text: str) -> report.CameraProjection:
+def _camera_arg(text: str) -> CameraProjection:
     parts = [float(x) for x in text.split(",")]
     if len(parts) not in (6, 10):
         raise argparse.ArgumentTypeError("expected fx,fy,cx,cy,width,height[,x_m,y_m,z_m,yaw_rad]")
-    return report.CameraProjection(parts[0], parts[1], parts[2], parts[3], int(parts[4]), int(parts[5]), *parts[6:])
+    return CameraProjection(parts[0], parts[1], parts[2], parts[3], int(parts[4]), int(parts[5]), *parts[6:])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -407,17 +339,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     planner: Planner | None = None
     for bag in args.bags:
         if args.plans_topic:
-            recorded = RecordedPlans(bag, args.plans_topic)
+            recorded = RecordedPlans(bag, args.plans_topic, settings.ego_frame_id)
             results.append(evaluate_bag(bag, recorded, settings, t0s_ns=recorded.t0s_ns, max_ticks=args.max_ticks,
                                         progress=not args.no_progress))
             meta["backend"] = f"recorded plans on {args.plans_topic}"
             continue
         if planner is None:
-            planner = _pipeline(settings)
-        t0s = RecordedPlans(bag, args.t0s_from).t0s_ns if args.t0s_from else None
-        results.append(evaluate_bag(bag, planner, settings, t0s_ns=t0s, max_ticks=args.max_ticks, progress=not args.no_progress))
-        if args.t0s_from:
-            differences.update(plan_differences(results[-1], RecordedPlans(bag, args.t0s_from)))
+            planner = load_pipeline(settings)
+        online = RecordedPlans(bag, args.t0s_from, settings.ego_frame_id) if args.t0s_from else None
+        results.append(evaluate_bag(bag, planner, settings, t0s_ns=online.t0s_ns if online else None,
+                                    max_ticks=args.max_ticks, progress=not args.no_progress))
+        if online is not None:
+            differences.update(plan_differences(results[-1], online))
     if args.t0s_from:
         meta["replan_max_difference_m"] = max(differences.values()) if differences else None
         meta["replan_compared"] = len(differences)
@@ -428,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 doc["skipped"], args.out)
 
 
-def _pipeline(settings: DriveSettings) -> Planner:
+def load_pipeline(settings: DriveSettings) -> Planner:
     """The model pipeline of the node's settings (torch is imported only here)."""
     from alpamayo_ros.core.pipeline import Pipeline
 

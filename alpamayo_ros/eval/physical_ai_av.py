@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import re
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 US = 1_000  # ns per microsecond
 DEFAULT_CAMERAS = tuple(CAMERAS[i][0] for i in (0, 1, 2, 6))  # upstream's default 4-camera set
-DEFAULT_TOPIC_TEMPLATE = "/cameras/{camera}/image/compressed"
+# {short} is the camera name without "camera_" and the FOV suffix: the node's default topics
+DEFAULT_TOPIC_TEMPLATE = "/camera/{short}/image/compressed"
 EGOMOTION_COLUMNS = ("timestamp", "x", "y", "z", "qx", "qy", "qz", "qw", "vx", "vy", "vz", "curvature")
 
 
@@ -85,6 +87,12 @@ class Egomotion:
     quat_xyzw: np.ndarray
     velocity: np.ndarray
     curvature: np.ndarray
+
+
+def camera_topic(template: str, camera: str) -> str:
+    """Fill {camera} (dataset name) and {short} (e.g. front_wide for camera_front_wide_120fov)."""
+    short = re.sub(r"_\d+fov$", "", camera.removeprefix("camera_"))
+    return template.format(camera=camera, short=short)
 
 
 def read_egomotion(files: ClipFiles) -> Egomotion:
@@ -169,7 +177,7 @@ def convert_clip(root: str | Path, clip_id: str, out: str | Path, cameras: Seque
                          writer.odometry(stamp, ego.xyz[k], ego.quat_xyzw[k], body_velocity[k], (0.0, 0.0, yaw_rate)))
             counts[odom_topic] = counts.get(odom_topic, 0) + 1
         for camera in cameras:
-            topic = topic_template.format(camera=camera)
+            topic = camera_topic(topic_template, camera)
             for stamp, rgb in _keep_every(iter_camera_frames(files, camera), camera_hz):
                 if not begin <= stamp <= end:
                     continue
@@ -187,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--clip", required=True, help="clip id (UUID)")
     parser.add_argument("--out", type=Path, required=True, help="bag directory to create")
     parser.add_argument("--cameras", nargs="+", default=list(DEFAULT_CAMERAS), help="dataset camera names")
-    parser.add_argument("--topic-template", default=DEFAULT_TOPIC_TEMPLATE, help="camera topic; {camera} is replaced")
+    parser.add_argument("--topic-template", default=DEFAULT_TOPIC_TEMPLATE,
+                        help="camera topic; {camera} = dataset camera name, {short} = it without camera_ and FOV")
     parser.add_argument("--odom-topic", default="/odom")
     parser.add_argument("--camera-hz", type=float, default=10.0, help="thin cameras to this rate (0: keep all)")
     parser.add_argument("--max-width", type=int, default=0, help="downscale frames wider than this (0: keep)")

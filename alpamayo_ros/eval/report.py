@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+
+from alpamayo_ros.eval.metrics import summarize  # noqa: E402
+
+if TYPE_CHECKING:
+    from alpamayo_ros.eval.evaluate import BagResult
+    from alpamayo_ros.ros.params import DriveSettings
+
+NS_PER_S = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -193,3 +202,64 @@ def plot_drive_map(path: Path, centerline: np.ndarray, lane_width_m: float, driv
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """What to draw: BEV plots of this many ticks (spread over the bags) and, with a camera
+    projection, that camera's t0 frame with the projected paths; extra_plots are PNGs the
+    caller already wrote into the report directory."""
+
+    bev_plots: int = 4
+    camera: CameraProjection | None = None
+    camera_index: int = 1
+    notes: tuple[str, ...] = ()
+    extra_plots: tuple[str, ...] = ()
+
+
+def write_report(out: Path, results: Sequence[BagResult], settings: DriveSettings,
+                 options: ReportOptions = ReportOptions(), meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """report.json, report.md and PNG plots in out; returns the JSON document."""
+    out.mkdir(parents=True, exist_ok=True)
+    scored = [t for r in results for t in r.scored]
+    skipped: Counter = Counter()
+    for r in results:
+        skipped.update(r.skipped())
+    ticks_total = sum(len(r.ticks) for r in results)
+    totals = [t.plan.timings_ms.get("total") for t in scored if t.plan is not None and "total" in t.plan.timings_ms]
+    plots: list[str] = list(options.extra_plots)
+    for k, r in enumerate(results):
+        if r.scored:
+            name = f"metrics_{k}_{r.bag.name}.png"
+            plot_metrics(out / name, [(t.tick_ns - r.start_ns) / NS_PER_S for t in r.scored],
+                         [t.score.min_ade for t in r.scored], [t.score.min_fde for t in r.scored])
+            plots.append(name)
+    picks = [scored[i] for i in sorted(set(np.linspace(0, len(scored) - 1, options.bev_plots).round().astype(int)))] \
+        if scored and options.bev_plots > 0 else []
+    for n, t in enumerate(picks):
+        di, title = t.assembly.driving_input, f"t0 {t.t0_ns / NS_PER_S:.2f} s  minADE {t.score.min_ade:.2f} m"
+        plot_bev(out / f"bev_{n}.png", di.ego_history_xyz, t.plan.xyz, t.true_xyz, title, t.score.best_sample)
+        plots.append(f"bev_{n}.png")
+        if options.camera is not None and options.camera_index in di.camera_indices:
+            image = di.images[di.camera_indices.index(options.camera_index), -1]
+            plot_camera(out / f"camera_{n}.png", image, options.camera, t.plan.xyz, t.true_xyz, title)
+            plots.append(f"camera_{n}.png")
+    doc: dict[str, Any] = {
+        **(meta or {}),
+        "settings": {"rate_hz": 1.0 / settings.planning_period_s, "num_samples": settings.sampling.num_samples,
+                     "cameras": {c.index: c.topic for c in settings.cameras}, "odometry_topic": settings.odometry_topic,
+                     "image_size": settings.image_size, "sampling": vars(settings.sampling)},
+        "summary": summarize(t.score for t in scored),
+        "ticks_total": ticks_total,
+        "skipped_share": (ticks_total - len(scored)) / ticks_total if ticks_total else float("nan"),
+        "skipped": dict(skipped),
+        "latency_ms": ({"mean": float(np.mean(totals)), "p90": float(np.percentile(totals, 90)), "max": float(np.max(totals))}
+                       if totals else None),
+        "bags": [{"bag": str(r.bag), "ticks_total": len(r.ticks), "summary": summarize(t.score for t in r.scored),
+                  "skipped": dict(r.skipped()), "dropped_images": r.dropped_images,
+                  "ticks": [t.to_json(r.start_ns) for t in r.ticks]} for r in results],
+        "plots": plots,
+    }
+    write_json(out / "report.json", doc)
+    write_markdown(out / "report.md", doc, options.notes)
+    return doc
