@@ -8,12 +8,9 @@ The test side runs an rclpy context with a background executor thread.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import math
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -183,31 +180,6 @@ class RosSide:
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
         self._thread.join(timeout=2.0)
-
-
-def tiny_checkpoint(cache_root: Path) -> Path:
-    """A tiny random checkpoint, written once per version of the code that writes it, reused.
-
-    Written by the `alpamayo-make-checkpoint` console script into a staging folder and
-    renamed into place, so parallel test processes never see half a checkpoint.
-    """
-    core = Path(importlib.util.find_spec("alpamayo_ros.core").origin).parent
-    digest = hashlib.sha256()
-    for name in ("tiny_checkpoint.py", "checkpoint.py", "config.py", "tokenizer.py"):
-        digest.update((core / name).read_bytes())
-    target = cache_root / f"tiny-{digest.hexdigest()[:12]}"
-    if (target / "config.json").exists():
-        return target
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = cache_root / f".staging-{os.getpid()}-{time.time_ns()}"
-    subprocess.run(
-        [str(VENV_BIN / "alpamayo-make-checkpoint"), str(staging)], check=True, capture_output=True, timeout=300
-    )
-    try:
-        staging.rename(target)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 @dataclass

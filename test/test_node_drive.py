@@ -22,7 +22,6 @@ from ros_helpers import (
     ros_env,
     start_console_script,
     stop_process,
-    tiny_checkpoint,
     unique_domain_id,
     wait_until,
     write_params_file,
@@ -113,9 +112,8 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    checkpoint = tiny_checkpoint(Path(request.config.cache.mkdir("alpamayo_tiny_checkpoint")))
-    rig = Harness(tmp_path_factory.mktemp("drive"), checkpoint)
+def harness(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
+    rig = Harness(tmp_path_factory.mktemp("drive"), tiny_checkpoint)
     yield rig
     code = rig.close()
     assert code == 0, f"node exit code {code} after SIGINT\n{rig.log_text()}"

@@ -19,7 +19,6 @@ from ros_helpers import (
     ros_env,
     start_console_script,
     stop_process,
-    tiny_checkpoint,
     unique_domain_id,
     wait_until,
     write_params_file,
@@ -94,9 +93,8 @@ class SimHarness:
 
 
 @pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    checkpoint = tiny_checkpoint(Path(request.config.cache.mkdir("alpamayo_tiny_checkpoint")))
-    harness = SimHarness(tmp_path_factory.mktemp("overrun"), checkpoint)
+def sim(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
+    harness = SimHarness(tmp_path_factory.mktemp("overrun"), tiny_checkpoint)
     assert wait_until(lambda: len(harness.paths) >= 1, timeout_s=120), harness.log_text()
     yield harness
     code = harness.close()
