@@ -137,27 +137,32 @@ def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, ima
         "decode": decode_ms * workload.reasoning_tokens,
         "expert": expert_ms,
     }
-    floors["total"] = sum(floors.values())
+    floors["backbone"] = floors["vision"] + floors["prefill"] + floors["decode"]
+    floors["total"] = floors["backbone"] + floors["expert"]
     return floors
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny random checkpoint on the CPU")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W16")
-    parser.add_argument("--backends", default="vllm,hf", help="comma list; the first is the one measured against the rest")
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--workload", default="W16", help=f"comma list of {sorted(WORKLOADS)}")
+    parser.add_argument("--backends", default="vllm,hf", help="comma list; ratios are against the first")
+    parser.add_argument("--runs", type=int, default=50, help="timed runs of the first backend")
+    parser.add_argument("--compare-runs", type=int, default=20, help="timed runs of the other backends")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--checkpoint", type=Path, help="existing checkpoint directory")
     parser.add_argument("--full-size-dir", type=Path, help="write a full-size random checkpoint here (on this machine)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    workload = WORKLOADS["smoke" if args.smoke else args.workload]
+    names = ["smoke"] if args.smoke else args.workload.split(",")
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"--workload: unknown {unknown}; known: {sorted(WORKLOADS)}")
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.checkpoint:
         checkpoint = args.checkpoint
@@ -168,11 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     else:
         checkpoint = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-ckpt-")), dtype=getattr(torch, dtype))
     config = AlpamayoConfig.from_checkpoint(checkpoint)
+    for name in names:
+        results = bench_workload(name, args, checkpoint, config, dtype)
+        print_report(results)
+        if args.json_dir:
+            args.json_dir.mkdir(parents=True, exist_ok=True)
+            (args.json_dir / f"{name}.json").write_text(json.dumps(results, indent=1))
+    return 0
 
-    results: dict = {"workload": args.workload if not args.smoke else "smoke", "device": args.device, "dtype": dtype, "backends": {}}
+
+def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config: AlpamayoConfig, dtype: str) -> dict:
+    """Every backend on one workload, one after the other in this process."""
+    workload = WORKLOADS[name]
+    results: dict = {"workload": name, "device": args.device, "dtype": dtype, "backends": {}}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
-    for backend in args.backends.split(","):
+    backends = args.backends.split(",")
+    if workload.quantization:
+        backends = [b for b in backends if b == "vllm"]  # HF has no online FP8 path here
+    for position, backend in enumerate(backends):
         options = {}
         if backend == "vllm":
             options = {"gpu_memory_utilization": args.gpu_memory_utilization, "quantization": workload.quantization}
@@ -183,24 +202,25 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - start
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        measured = run_backend(pipeline, workload, args.runs, args.warmup)
+        runs = args.runs if position == 0 else min(args.runs, args.compare_runs)
+        measured = run_backend(pipeline, workload, runs, args.warmup)
         measured["load_s"] = load_s
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             measured["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             measured["gpu_in_use_gib"] = (total - free) / 2**30
         results["backends"][backend] = measured
-        pipeline.close()
+        close = getattr(pipeline.backbone, "close", None)  # vLLM: free the engine's memory
+        if close is not None:
+            close()
         del pipeline
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    prompt_tokens = 340 * len(workload.cameras) * workload.frames // 4 + 100  # informational only
-    results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, 720 * len(workload.cameras) * workload.frames)
-    print_report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    return 0
+    images = len(workload.cameras) * workload.frames
+    # 1080x1920 frames: 20x36 patches, 180 tokens each after the 2x2 merge (smoke: indicative only)
+    prompt_tokens = images * 186 + 90  # image tokens + frame/camera text per image, plus the fixed text
+    results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, images * 720)
+    return results
 
 
 def print_report(results: dict) -> None:

@@ -48,6 +48,7 @@ class Harness:
     """The node process plus the test side's rig and output collectors."""
 
     def __init__(self, tmp: Path, checkpoint: Path) -> None:
+        self.checkpoint = checkpoint
         self.domain_id = unique_domain_id()
         self.side = RosSide(self.domain_id, "drive_test")
         self.cameras = [
@@ -146,7 +147,7 @@ def test_plans_are_published_with_t0_stamp_and_frame(harness: Harness) -> None:
     assert [p.position.x for p in selected] == pytest.approx([p.pose.position.x for p in path.poses])
     reasoning = [m for m in harness.reasoning.messages if stamp_ns(m.header.stamp) == t0][0]
     assert reasoning.navigation_command == ROUTE and reasoning.backend == "hf"
-    assert reasoning.model_id.startswith("tiny-") and len(reasoning.sample_cocs) == 2
+    assert reasoning.model_id == harness.checkpoint.name and len(reasoning.sample_cocs) == 2
     assert 1 <= reasoning.generated_tokens <= 8
     markers = [m for m in harness.markers.messages if m.markers and stamp_ns(m.markers[-1].header.stamp) == t0][0]
     kinds = [marker.type for marker in markers.markers if marker.action == Marker.ADD]

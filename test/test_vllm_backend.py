@@ -16,11 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from alpamayo_ros.core.backbone_hf import HFBackbone
-from alpamayo_ros.core.checkpoint import load_backbone, tensor_files
 from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.pipeline import Pipeline
-from alpamayo_ros.core.tokenizer import AlpamayoTokenizer
 from alpamayo_ros.core.types import SamplingSettings
 
 KV_TOL = 1e-4  # fp32 K/V and trajectories (m)
@@ -37,19 +34,15 @@ SCENES = [  # (camera indices, frames per camera, route text)
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, make_driving_input) -> Path:
     """The tiny checkpoint with the lm_head edits of the module docstring (other files linked)."""
-    config = AlpamayoConfig.from_checkpoint(tiny_checkpoint)
-    tokenizer = AlpamayoTokenizer.from_checkpoint(tiny_checkpoint)
-    ids = tokenizer.ids
-    model = load_backbone(config, dtype=torch.float32, device="cpu", files=tensor_files(tiny_checkpoint))
-    backbone = HFBackbone(model, tokenizer, config)
-    reference = Pipeline(config, tokenizer, backbone, expert=None, device=torch.device("cpu"))  # backbone only
+    reference = Pipeline.from_checkpoint(tiny_checkpoint, backend="hf", dtype="float32")
+    ids = reference.tokenizer.ids
     inputs = make_driving_input(camera_indices=(1,), frames=2)
     prompt = reference.driving_prompt(inputs, reference.preprocess(inputs))
     greedy = reference.backbone.rollout(
         prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=torch.Generator()
     )
     emitted = greedy.generated_ids[0][2]  # the third greedy token
-    del model, backbone, reference, greedy
+    del reference, greedy
     gc.collect()
 
     directory = tmp_path_factory.mktemp("stop_checkpoint")
@@ -149,6 +142,15 @@ def test_greedy_stops_one_token_after_traj_future_start(vllm_pipeline, hf_pipeli
     assert ours.cache.offsets.tolist() == [prompt_len + len(ours.generated_ids[0])] * 2 == [ours.cache.length] * 2
     oracle = hf_pipeline.backbone.prefill(prompt, ours.generated_ids)
     _assert_cache_close(ours.cache, oracle, [ours.cache.length] * 2)
+
+    # min_new_tokens keeps the stop (and end) token away until then, as in the HF backend
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, min_new_tokens=8)
+    longer = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    assert longer.generated_ids == reference.generated_ids
+    assert not {ids.traj_future_start, ids.im_end} & set(longer.generated_ids[0][:8])
+    assert len(longer.generated_ids[0]) > len(ours.generated_ids[0])
+    _assert_cache_close(longer.cache, reference.cache, [longer.cache.length])
 
 
 def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipeline, make_driving_input):

@@ -88,6 +88,7 @@ class Backbone(Protocol):
         max_new_tokens: int,
         generator: torch.Generator,
         forced_ids: Sequence[int] | None = None,
+        min_new_tokens: int = 0,
     ) -> Rollout:
         """Generate reasoning for num_samples rows and return their K/V.
 

@@ -77,6 +77,7 @@ class HFBackbone:
         max_new_tokens: int,
         generator: torch.Generator,
         forced_ids: Sequence[int] | None = None,
+        min_new_tokens: int = 0,
     ) -> Rollout:
         """Generate reasoning for num_samples rows; see the module doc for the rules.
 
@@ -94,7 +95,9 @@ class HFBackbone:
             if len(forced) > 1:
                 self._step(generated[:, :-1], cache, prompt_len, prompt.rope_delta)
         else:
-            cache, generated = self._decode(prompt, num_samples, temperature, top_p, max_new_tokens, generator)
+            cache, generated = self._decode(
+                prompt, num_samples, temperature, top_p, max_new_tokens, generator, min_new_tokens
+            )
         rows = [self._until_stop(row) for row in generated.tolist()]
         return Rollout(generated_ids=rows, cache=self._prefix_cache(cache, prompt_len, prompt.rope_delta, generated))
 
@@ -106,8 +109,12 @@ class HFBackbone:
         top_p: float,
         max_new_tokens: int,
         generator: torch.Generator,
+        min_new_tokens: int,
     ):
-        """Upstream's masked sampling loop with its stop rule; returns (cache, tokens (N, steps))."""
+        """Upstream's masked sampling loop with its stop rule; returns (cache, tokens (N, steps)).
+
+        Before min_new_tokens, the stop and end tokens are masked too (fixed-length benchmarks).
+        """
         ids = self.tokenizer.ids
         cache, logits = self._prefill_prompt(prompt, num_samples)
         prompt_len = int(prompt.input_ids.shape[0])
@@ -116,6 +123,8 @@ class HFBackbone:
         found_stop = torch.zeros_like(finished)
         for step in range(max_new_tokens):
             logits[:, self._masked[0] : self._masked[1]] = float("-inf")
+            if step < min_new_tokens:
+                logits[:, [ids.traj_future_start, ids.im_end]] = float("-inf")
             token = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
             token = torch.where(finished, ids.pad, token)
             tokens.append(token)

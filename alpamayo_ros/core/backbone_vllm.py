@@ -78,8 +78,6 @@ class VLLMBackbone:
 
         self._adapter = vllm_adapter
         self._ids = token_ids
-        # the <i*> trajectory bins: upstream's logits mask
-        self._masked_ids = (token_ids.traj_start, token_ids.traj_start + token_ids.traj_vocab_size)
         self._image_keys: dict[int, tuple[weakref.ref, str]] = {}  # id(pixel_values) -> (ref, key)
         model_dir = vllm_adapter.materialize_model_dir(
             config.checkpoint_dir,
@@ -113,13 +111,17 @@ class VLLMBackbone:
         max_new_tokens: int,
         generator: torch.Generator,
         forced_ids: Sequence[int] | None = None,
+        min_new_tokens: int = 0,
     ) -> Rollout:
         """Sample reasoning for num_samples rows (see Backbone.rollout and the module doc).
 
         forced_ids is every row's complete generated sequence: nothing is sampled and all
-        but its last token are fed.
+        but its last token are fed. Before min_new_tokens, the stop and end tokens are masked
+        as well (fixed-length benchmarks).
         """
         _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens: must be >= 0, got {min_new_tokens}")
         prompt_len = int(prompt.input_ids.shape[0])
         if forced_ids is not None:
             forced = [int(token) for token in forced_ids]
@@ -128,9 +130,16 @@ class VLLMBackbone:
             captured = self._feed(prompt, [forced[:-1]]) * num_samples
             sampled = [forced] * num_samples
         else:
-            stop = [self._ids.im_end]
+            ids = self._ids
+            # the <i*> trajectory bins: upstream's logits mask
+            mask = self._adapter.MaskSpec(
+                ids.traj_start,
+                ids.traj_start + ids.traj_vocab_size,
+                min_tokens=min_new_tokens,
+                early_ids=(ids.traj_future_start, ids.im_end),
+            )
             results = self._sample(
-                prompt, num_samples, temperature, top_p, max_new_tokens, generator, self._masked_ids, stop, capture=True
+                prompt, num_samples, temperature, top_p, max_new_tokens, generator, mask, [ids.im_end], capture=True
             )
             captured = [r.captured for r in results]
             sampled = [r.output_ids for r in results]
@@ -179,7 +188,7 @@ class VLLMBackbone:
         top_p: float,
         max_new_tokens: int,
         generator: torch.Generator,
-        masked_ids: tuple[int, int] | None,
+        mask: Any,
         stop_ids: list[int],
         *,
         capture: bool,
@@ -194,7 +203,7 @@ class VLLMBackbone:
                 top_p=1.0 if greedy else top_p,
                 max_tokens=max_new_tokens,
                 seed=seed + row,
-                masked_ids=masked_ids,
+                mask=mask,
                 stop_token_ids=stop_ids,
             )
             for row in range(num_samples)

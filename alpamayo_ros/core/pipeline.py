@@ -65,6 +65,12 @@ class Pipeline:
         self.device = device
         self.action_space = UnicycleActionSpace(config.action_space)
         self.history_tokenizer = config.history_tokenizer()
+        # GPU: padded length buckets so one captured CUDA graph (and compile) serves many
+        # plans; CPU: exact lengths, eager.
+        on_gpu = device.type == "cuda"
+        self.expert_sampler = flow_matching.ExpertSampler(
+            expert, bucket=256 if on_gpu else 1, compile_layers=on_gpu
+        )
 
     @classmethod
     def from_checkpoint(
@@ -166,6 +172,7 @@ class Pipeline:
                 max_new_tokens=settings.max_reasoning_tokens,
                 generator=generator,
                 forced_ids=self._forced_rollout(forced_coc_ids),
+                min_new_tokens=settings.min_reasoning_tokens,
             )
         guided = settings.cfg_weight is not None and inputs.route_text is not None
         if settings.cfg_weight is not None and not guided:
@@ -177,17 +184,14 @@ class Pipeline:
                 free_prompt = build_prompt_inputs(free_ids, images, image_token_id=self.tokenizer.ids.image_pad)
                 uncond_cache = self.backbone.prefill(free_prompt, rollout.generated_ids)
         with self._timed(timings, "expert"):
-            cache = rollout.cache
-            action = flow_matching.sample(
-                lambda x, t: self.expert.velocity(x, t, cache),
-                batch=settings.num_samples,
+            action = self.expert_sampler.sample(
+                rollout.cache,
                 steps=settings.flow_steps,
                 noise_temperature=settings.noise_temperature,
                 generator=generator,
                 init_noise=init_noise,
-                uncond_velocity_fn=(lambda x, t: self.expert.velocity(x, t, uncond_cache)) if guided else None,
+                uncond_cache=uncond_cache,
                 guidance_weight=settings.cfg_weight if guided else 1.0,
-                device=self.device,
             )
         with self._timed(timings, "action"):
             rows = settings.num_samples

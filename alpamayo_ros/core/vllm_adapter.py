@@ -463,53 +463,88 @@ class CaptureKVConnector(KVConnectorBase_V1):
 # Logits mask
 # ----------------------------------------------------------------------------------------
 
-_MASK_KEY = "alpamayo_masked_ids"  # SamplingParams.extra_args key: (start, end) id range
+_MASK_KEY = "alpamayo_mask"  # SamplingParams.extra_args key, see TokenMask
 
 
-class TokenRangeMask(LogitsProcessor):
-    """Sets the logits of a request's id range [start, end) to -inf (upstream's <i*> mask).
+@dataclass(frozen=True)
+class MaskSpec:
+    """What TokenMask hides from one request.
 
-    Runs before temperature and top-p, like upstream's logits processor. One indexed fill
-    per distinct range and step, instead of vLLM's allowed_token_ids, whose per-request cost
-    is a Python pass over the whole vocabulary.
+    ids [start, end) always (upstream's <i*> mask); early_ids while the request has fewer
+    than min_tokens outputs (fixed-length benchmarks keep the stop and end tokens away).
+    """
+
+    start: int
+    end: int
+    min_tokens: int = 0
+    early_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"mask ids: expected 0 <= start <= end, got [{self.start}, {self.end})")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+
+
+class TokenMask(LogitsProcessor):
+    """Sets the logits a request's MaskSpec names to -inf, before temperature and top-p.
+
+    Upstream masks in a logits processor too. One indexed fill per distinct range and step
+    (vLLM's allowed_token_ids would cost a Python pass over the vocabulary per request).
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self._device = device
-        self._ranges: dict[int, tuple[int, int]] = {}  # batch row -> (start, end)
-        self._groups: list[tuple[torch.Tensor, int, int]] = []  # (rows, start, end)
+        self._specs: dict[int, tuple[MaskSpec, list[int]]] = {}  # batch row -> (spec, its output ids)
+        self._ranges: list[tuple[torch.Tensor, int, int]] = []  # (rows, start, end)
+        self._early: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) to fill now
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        _masked_range(sampling_params)
+        _mask_spec(sampling_params)
 
     def is_argmax_invariant(self) -> bool:
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if process_dict_updates(self._ranges, batch_update, lambda params, _, __: _masked_range(params)):
+        def entry(params: SamplingParams, _: Any, output_ids: list[int]) -> tuple[MaskSpec, list[int]] | None:
+            spec = _mask_spec(params)
+            return None if spec is None else (spec, output_ids)  # output_ids: live list
+
+        if process_dict_updates(self._specs, batch_update, entry):
             by_range: dict[tuple[int, int], list[int]] = {}
-            for row, span in self._ranges.items():
-                by_range.setdefault(span, []).append(row)
-            self._groups = [
+            for row, (spec, _) in self._specs.items():
+                by_range.setdefault((spec.start, spec.end), []).append(row)
+            self._ranges = [
                 (torch.tensor(rows, dtype=torch.long, device=self._device), start, end)
                 for (start, end), rows in by_range.items()
+                if end > start
             ]
+        rows, ids = [], []
+        for row, (spec, output_ids) in self._specs.items():
+            if len(output_ids) < spec.min_tokens:
+                rows += [row] * len(spec.early_ids)
+                ids += spec.early_ids
+        self._early = None
+        if rows:
+            self._early = (
+                torch.tensor(rows, dtype=torch.long, device=self._device),
+                torch.tensor(ids, dtype=torch.long, device=self._device),
+            )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for rows, start, end in self._groups:
+        for rows, start, end in self._ranges:
             logits[rows, start:end] = float("-inf")
+        if self._early is not None:
+            logits[self._early] = float("-inf")
         return logits
 
 
-def _masked_range(params: SamplingParams) -> tuple[int, int] | None:
-    span = (params.extra_args or {}).get(_MASK_KEY)
-    if span is None:
-        return None
-    start, end = span
-    if not 0 <= start < end:
-        raise ValueError(f"extra_args[{_MASK_KEY!r}]: expected 0 <= start < end, got {span}")
-    return int(start), int(end)
+def _mask_spec(params: SamplingParams) -> MaskSpec | None:
+    spec = (params.extra_args or {}).get(_MASK_KEY)
+    if spec is not None and not isinstance(spec, MaskSpec):
+        raise ValueError(f"extra_args[{_MASK_KEY!r}]: expected a MaskSpec, got {type(spec).__name__}")
+    return spec
 
 
 # ----------------------------------------------------------------------------------------
@@ -546,7 +581,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
         mm_processor_cache_gb=0,  # would keep every request's patches (on the GPU) alive
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
-        logits_processors=[f"{__name__}:{TokenRangeMask.__name__}"],
+        logits_processors=[f"{__name__}:{TokenMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
         **extra,
     )
@@ -563,11 +598,11 @@ def sampling_params(
     top_p: float,
     max_tokens: int,
     seed: int,
-    masked_ids: tuple[int, int] | None = None,
+    mask: MaskSpec | None = None,
     stop_token_ids: list[int] | None = None,
 ) -> SamplingParams:
     """One row's sampling: ids only, cumulative outputs; only stop_token_ids end a row early
-    (kept in its ids), never the tokenizer's EOS. masked_ids: [start, end) never sampled."""
+    (kept in its ids), never the tokenizer's EOS. mask: ids TokenMask keeps from being sampled."""
     return SamplingParams(
         n=1,
         temperature=temperature,
@@ -578,7 +613,7 @@ def sampling_params(
         ignore_eos=True,
         detokenize=False,
         output_kind=RequestOutputKind.CUMULATIVE,
-        extra_args={_MASK_KEY: masked_ids} if masked_ids is not None else None,
+        extra_args={_MASK_KEY: mask} if mask is not None else None,
     )
 
 

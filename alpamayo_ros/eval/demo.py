@@ -218,21 +218,21 @@ class DemoScene:
 
     def drive(self, node_process: subprocess.Popen) -> None:
         """The closed loop: step the world, publish, follow plans, wait for a lagging node."""
-        # Run at most this far past the newest plan's t0: just past the next planning tick, so
-        # the node plans with the world paused and its callbacks never compete with the model.
-        lead_ns = int(NS / self.opts.rate_hz) + 150_000_000
+        # Pause at most this far past the newest plan's t0, which is just after the next planning
+        # tick: the node then plans with the world paused, so no sensor data piles up meanwhile.
+        period_ns = int(NS / self.opts.rate_hz)
+        lead_ns = period_ns + 150_000_000
         start_ns = self.sim_ns
-        waited_at = start_ns + 2 * NS - lead_ns  # the first plan needs 1.5 s of history
+        reference = start_ns + 2 * NS - lead_ns  # the first plan needs 1.5 s of history
         wall0 = time.monotonic()
         dt = STEP_NS / NS
         step = 0
         while self.sim_ns - start_ns < self.opts.duration_s * NS:
             if node_process.poll() is not None:
                 raise RuntimeError(f"drive node exited with code {node_process.returncode} while driving")
-            newest = max(self.follower.plan_t0 or 0, waited_at)
-            if self.sim_ns - newest > lead_ns:  # the node is behind: give it time to plan
-                self._wait_for_node()
-                waited_at = self.sim_ns
+            if self.sim_ns - max(self.follower.plan_t0 or 0, reference) > lead_ns:
+                if not self._wait_for_node():
+                    reference = self.sim_ns - (lead_ns - period_ns)  # no plan this tick: next pause one period on
                 wall0 = time.monotonic() - (self.sim_ns - start_ns) / NS  # do not sprint to catch up
             yaw_before = self.vehicle.pose.yaw
             target = self.follower.target(self.sim_ns + STEP_NS)
@@ -249,20 +249,22 @@ class DemoScene:
             ahead = (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)
             self.spin(max(0.0, ahead))  # at most real time
 
-    def _wait_for_node(self) -> None:
-        """Block (simulated time frozen) until the node publishes a plan or reports a finished
-        tick, or a timeout passes: plan_timeout_s until the first plan, then three times the
-        longest wait that a plan ended (at least 5 s)."""
+    def _wait_for_node(self) -> bool:
+        """Block (simulated time paused) until the node publishes a plan (True) or reports a
+        finished tick without one, or a timeout passes (False). The timeout is plan_timeout_s
+        until the first plan, then three times the longest wait that a plan ended (at least 5 s)."""
         plan_before, handled_before = self.follower.plan_t0, self.handled
         started = time.monotonic()
         timeout = self.opts.plan_timeout_s if self.longest_plan_wait_s is None else max(5.0, 3 * self.longest_plan_wait_s)
         while self.follower.plan_t0 == plan_before and self.handled == handled_before:
             if time.monotonic() - started > timeout:
                 self.plans_waited_out += 1
-                return
+                return False
             self.spin(0.05)
-        if self.follower.plan_t0 != plan_before:
-            self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
+        if self.follower.plan_t0 == plan_before:
+            return False
+        self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
+        return True
 
     def summary(self, started_monotonic: float) -> dict[str, Any]:
         return {"plans_followed": len(self.follower.world_plans), "clamped_steps": self.vehicle.clamped_steps,
