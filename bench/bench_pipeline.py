@@ -210,9 +210,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
             measured["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             measured["gpu_in_use_gib"] = (total - free) / 2**30
         results["backends"][backend] = measured
-        close = getattr(pipeline.backbone, "close", None)  # vLLM: free the engine's memory
-        if close is not None:
-            close()
+        pipeline.close()
         del pipeline
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

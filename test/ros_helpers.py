@@ -234,7 +234,7 @@ class SensorRig:
         self.speed_mps, self.heading_rad, self.origin_xy = speed_mps, heading_rad, origin_xy
         self.route_text = route_text
         self.odometry_stopped = False
-        self.odometry_nan_once = False
+        self.odometry_nan = False  # publish NaN positions while set
         self.stamp_offset_ns = 0  # added to every stamp (time going backwards: negative)
         self._sim_start_ns = None if sim_start_s is None else int(sim_start_s * 1e9)
         self._sim_jump_ns = 0
@@ -314,8 +314,7 @@ class SensorRig:
         msg.header.stamp = Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000)
         msg.header.frame_id, msg.child_frame_id = "odom", "base_link"
         x, y = self.ego_xy(stamp_ns)
-        if self.odometry_nan_once:
-            self.odometry_nan_once = False
+        if self.odometry_nan:
             x = math.nan
         msg.pose.pose.position.x, msg.pose.pose.position.y = x, y
         msg.pose.pose.orientation = Quaternion(z=math.sin(self.heading_rad / 2), w=math.cos(self.heading_rad / 2))

@@ -9,10 +9,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ros_helpers import VENV_BIN, ros_env, unique_domain_id
 
 from alpamayo_ros.eval.bags import bag_topics
+from alpamayo_ros.eval.scene import ASPHALT, SKY, Renderer, Road, Vehicle, default_rig
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,16 @@ def test_evaluator_reproduces_the_node_plans(demo):
     assert doc["summary"]["count"] >= 1  # at least one plan with 6.4 s of driven future
     assert doc["replan_compared"] >= 1
     assert doc["replan_max_difference_m"] < 1e-3
+
+
+def test_scene_draws_the_road_and_keeps_a_wild_vehicle_on_it():
+    road = Road.winding()
+    front = default_rig(128, 72)[0]
+    vehicle = Vehicle.on_road(road)
+    image = Renderer(road, (front,)).render(vehicle.pose, front)
+    assert tuple(image[2, 64]) == SKY and tuple(image[70, 64]) == ASPHALT  # sky above, road ahead
+    for _ in range(100):  # a plan pulling 100 m to the left, every step
+        vehicle.follow(vehicle.pose.to_world(np.array([[1.0, 100.0]]))[0], 0.1)
+        _, lateral = road.locate(vehicle.pose.xy)
+        assert abs(lateral - vehicle.lane_offset_m) <= vehicle.max_lateral_m + 1e-9
+    assert vehicle.clamped_steps > 0

@@ -192,8 +192,8 @@ def _faults() -> list[tuple[str, str, str, Callable[[Harness], None], Callable[[
         ("stale odometry", "rejected.odometry_stale", "older than t0", set_attr(rig, "odometry_stopped", True),
          set_attr(rig, "odometry_stopped", False), 0.15),
         ("model exception", "rejected.model_error", "aspect ratio", all_shapes((2, 402)), all_shapes((48, 64)), 0.0),
-        ("NaN odometry", "rejected.odometry_nonfinite", "non-finite odometry", set_attr(rig, "odometry_nan_once", True),
-         lambda h: None, 0.0),
+        ("NaN odometry", "rejected.odometry_nonfinite", "non-finite odometry", set_attr(rig, "odometry_nan", True),
+         set_attr(rig, "odometry_nan", False), 0.0),
         ("time going backwards", "rejected.time_backwards", "went back", set_attr(rig, "stamp_offset_ns", -5_000_000_000),
          set_attr(rig, "stamp_offset_ns", 0), 0.0),
     ]  # fmt: skip
@@ -233,7 +233,7 @@ def test_fault_is_reported_without_path_and_node_survives(
         assert any(m.status[0].level == DiagnosticStatus.ERROR for m in harness.diagnostics.since(started_mono))
     window_start = started_ns + int(slack_s * 1e9)
     if counter == "rejected.odometry_nonfinite":
-        ended_ns = started_ns + 1_400_000_000  # the NaN sample poisons every history window that holds it
+        ended_ns += 1_400_000_000  # a NaN sample poisons every history window that holds it
         assert wait_until(lambda: harness.rig.now_ns() > ended_ns + 500_000_000, timeout_s=5)
     harness.fault_windows.append((name, window_start, ended_ns))
     planned = [stamp_ns(p.header.stamp) for p in harness.paths.since(started_mono)]

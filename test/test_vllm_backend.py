@@ -188,28 +188,29 @@ def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipelin
 def test_plans_match_hf_with_forced_reasoning_and_noise(vllm_pipeline, hf_pipeline, make_driving_input):
     """Same CoC ids and noise: both backends give the same trajectories, nav-CFG included.
 
-    One flow step: the random tiny expert's velocity field swings with its 100 Hz Fourier
-    features, so any difference (here the ~2e-5 between two attention kernels' K/V) grows
-    ~40x per Euler step and ten steps compare chaos, even HF against perturbed HF.
+    Ten flow steps, as deployed. Guidance mixes v = (1-w) v_uncond + w v_cond, so a backend
+    difference e in each velocity can reach (|1-w| + w) e = 2e at w = 1.5: the guided
+    tolerance is scaled by that factor.
     """
     inputs = make_driving_input(camera_indices=(0, 1), frames=2, route_text="Turn right in 30m", seed=3)
     coc = vllm_pipeline.tokenizer.encode_text("The light is red, so stop behind the white car.")
     noise = torch.randn(3, 64, 2, generator=torch.Generator().manual_seed(0))
     for cfg_weight in (None, 1.5):
-        settings = SamplingSettings(num_samples=3, temperature=0.0, cfg_weight=cfg_weight, flow_steps=1)
+        settings = SamplingSettings(num_samples=3, temperature=0.0, cfg_weight=cfg_weight, flow_steps=10)
         ours = vllm_pipeline.plan(inputs, settings, forced_coc_ids=coc, init_noise=noise)
         reference = hf_pipeline.plan(inputs, settings, forced_coc_ids=coc, init_noise=noise)
         assert ours.backend == "vllm" and reference.backend == "hf"
         assert ours.generated_ids == reference.generated_ids
-        assert abs(ours.xyz - reference.xyz).max() < KV_TOL
-        assert abs(ours.rot - reference.rot).max() < KV_TOL
+        tolerance = KV_TOL if cfg_weight is None else KV_TOL * (abs(1 - cfg_weight) + cfg_weight)
+        assert abs(ours.xyz - reference.xyz).max() < tolerance
+        assert abs(ours.rot - reference.rot).max() < tolerance
 
 
 def test_plan_end_to_end_matches_hf_greedy(vllm_pipeline, hf_pipeline, make_driving_input):
     inputs = make_driving_input(camera_indices=(1, 6), frames=2, seed=5)
     noise = torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(1))
-    settings = SamplingSettings(num_samples=1, temperature=0.0, max_reasoning_tokens=MAX_TOKENS, flow_steps=1)
-    ours = vllm_pipeline.plan(inputs, settings, init_noise=noise)  # one flow step: see above
+    settings = SamplingSettings(num_samples=1, temperature=0.0, max_reasoning_tokens=MAX_TOKENS, flow_steps=10)
+    ours = vllm_pipeline.plan(inputs, settings, init_noise=noise)
     reference = hf_pipeline.plan(inputs, settings, init_noise=noise)
     assert ours.generated_ids == reference.generated_ids
     assert ours.coc == reference.coc

@@ -112,6 +112,12 @@ class Pipeline:
         )
         return cls(config, tokenizer, backbone, expert, device=device)
 
+    def close(self) -> None:
+        """Release the backend (the vLLM engine holds most of the GPU); the pipeline is unusable after."""
+        close = getattr(self.backbone, "close", None)
+        if close is not None:
+            close()
+
     # -- inputs --------------------------------------------------------------------------
 
     def preprocess(self, inputs: DrivingInput) -> PreprocessedImages:

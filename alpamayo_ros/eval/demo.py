@@ -252,10 +252,10 @@ class DemoScene:
     def _wait_for_node(self) -> bool:
         """Block (simulated time paused) until the node publishes a plan (True) or reports a
         finished tick without one, or a timeout passes (False). The timeout is plan_timeout_s
-        until the first plan, then three times the longest wait that a plan ended (at least 5 s)."""
+        until the first plan, then twice the longest wait that a plan ended (at least 3 s)."""
         plan_before, handled_before = self.follower.plan_t0, self.handled
         started = time.monotonic()
-        timeout = self.opts.plan_timeout_s if self.longest_plan_wait_s is None else max(5.0, 3 * self.longest_plan_wait_s)
+        timeout = self.opts.plan_timeout_s if self.longest_plan_wait_s is None else max(3.0, 2 * self.longest_plan_wait_s)
         while self.follower.plan_t0 == plan_before and self.handled == handled_before:
             if time.monotonic() - started > timeout:
                 self.plans_waited_out += 1

@@ -147,7 +147,7 @@ class Vehicle:
 
     @classmethod
     def on_road(cls, road: Road, speed: float = 8.0) -> Vehicle:
-        start = road.lane_center(0, -1.75)
+        start = road.lane_center(0, cls.lane_offset_m)
         return cls(road=road, pose=Pose2D(float(start[0]), float(start[1]), float(road.heading[0])), speed=speed)
 
     def cruise(self, dt: float) -> None:
@@ -208,7 +208,7 @@ class Renderer:
         self.road, self.rig = road, rig
         n = len(road.centerline)
         normal = np.stack([-np.sin(road.heading), np.cos(road.heading)], -1)
-        half = 2 * road.lane_width_m / 2 + 0.5  # two lanes plus shoulder
+        half = road.lane_width_m + 0.5  # two lanes (one each side) plus a shoulder
         self._left = road.centerline + half * normal
         self._right = road.centerline - half * normal
 

@@ -86,6 +86,7 @@ class FrameSet(Generic[FrameT]):
 
     @property
     def skew_ns(self) -> int:
+        """Spread of the cameras' newest stamps (diagnostics; up to one frame is normal)."""
         return max(self.newest_ns) - min(self.newest_ns)
 
 
@@ -97,8 +98,9 @@ class FrameSync(Generic[FrameT]):
 
     def __init__(self, config: FrameSyncConfig) -> None:
         self.config = config
-        self._stamps: dict[int, deque[int]] = {i: deque() for i in config.camera_indices}
-        self._frames: dict[int, deque[FrameT]] = {i: deque() for i in config.camera_indices}
+        cameras = sorted(config.camera_indices)  # DrivingInput rows are in ascending camera index
+        self._stamps: dict[int, deque[int]] = {i: deque() for i in cameras}
+        self._frames: dict[int, deque[FrameT]] = {i: deque() for i in cameras}
         self._pending_reset: Rejection | None = None
 
     def add(self, camera_index: int, stamp_ns: int, frame: FrameT) -> None:

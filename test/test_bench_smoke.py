@@ -1,0 +1,25 @@
+"""The GPU benchmark harness runs on the CPU with a tiny checkpoint, so it cannot rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_pipeline.py"), "--smoke", "--backends", "hf",
+         "--runs", "2", "--warmup", "0", "--json-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "smoke.json").read_text())
+    stages = report["backends"]["hf"]["stages_ms"]
+    for stage in ("preprocess", "prompt", "backbone", "expert", "action", "total"):
+        assert stages[stage]["p50"] > 0, stage
+        assert stages[stage]["p50"] <= stages[stage]["p99"]
+    assert report["backends"]["hf"]["generated_tokens"] == [8]  # forced exact reasoning length
+    assert report["roofline_floor_ms"]["total"] > 0
+    assert "| hf | total |" in result.stdout
