@@ -219,6 +219,8 @@ def test_expert_sampler_bad_arguments_are_named():
     sampler = ExpertSampler(expert)
     with pytest.raises(ValueError, match="bucket"):
         ExpertSampler(expert, bucket=0)
+    with pytest.raises(ValueError, match="max_shapes"):
+        ExpertSampler(expert, max_shapes=0)
     with pytest.raises(ValueError, match="guidance_weight"):
         sampler.sample(cache, generator=seeded(0), guidance_weight=2.0)
     with pytest.raises(ValueError, match="uncond_cache: 1 rows"):
@@ -227,3 +229,17 @@ def test_expert_sampler_bad_arguments_are_named():
         sampler.sample(cache, generator=seeded(0), steps=0)
     with pytest.raises(ValueError, match="generator"):
         sampler.sample(cache)
+
+
+def test_expert_sampler_keeps_only_the_most_recent_shapes():
+    """A node sees ever-new prompt lengths: states must not pile up (bounded memory)."""
+    expert = well_conditioned_expert()
+    sampler = ExpertSampler(expert, bucket=1, max_shapes=2)
+    lengths = [20, 21, 22, 21, 23]
+    for length in lengths:
+        cache = cache_of(1, length, [length], seed=length)
+        noise = torch.randn(1, 64, 2, generator=seeded(length))
+        got = sampler.sample(cache, steps=2, init_noise=noise)
+        assert (got - reference(expert, cache, noise, steps=2)).abs().max() < 1e-5
+    kept = sorted(key[0] - 64 for key in sampler._runners)
+    assert kept == [21, 23]  # 22 was the least recently used when 23 arrived

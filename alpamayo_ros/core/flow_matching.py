@@ -12,6 +12,7 @@ length-bucketed ExpertStates, and on CUDA every step of the loop replayed as one
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -155,7 +156,8 @@ class ExpertSampler:
     faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
     dynamo's recompile limit (8 shapes) further shapes run the layer uncompiled.
 
-    Each shape keeps its state (~0.5 GB per row at full size, T ~3100) and graph. Valid while
+    The max_shapes most recently used shapes keep their state (~0.5 GB per row at full size,
+    T ~3100) and graph; older ones are dropped and rebuilt on demand. Valid while
     the expert's parameters stay where they are: a graph holds their addresses.
     """
 
@@ -166,9 +168,13 @@ class ExpertSampler:
         bucket: int = 256,
         cuda_graphs: bool = True,
         compile_layers: bool = False,
+        max_shapes: int = 4,
     ) -> None:
         if bucket < 1:
             raise ValueError(f"bucket: must be >= 1, got {bucket}")
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes: must be >= 1, got {max_shapes}")
+        self.max_shapes = max_shapes
         self.expert = expert
         self.bucket = bucket
         self.device = expert.expert.norm.weight.device
@@ -177,7 +183,9 @@ class ExpertSampler:
         if compile_layers:
             # One compile serves all layers: they differ only in weights, which are inputs.
             self._layer_step = torch.compile(prepared_layer_step, fullgraph=True, dynamic=False)
-        self._runners: dict[tuple[int, int, int, float | None, bool], _Runner] = {}
+        # Least recently used shape first; bounded so a long-running node with varying prompt
+        # lengths keeps at most max_shapes states (and graphs) alive.
+        self._runners: OrderedDict[tuple[int, int, int, float | None, bool], _Runner] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.uses_cuda_graphs else None
 
     def capacity_for(self, length: int) -> int:
@@ -227,7 +235,11 @@ class ExpertSampler:
             state = self.expert.new_state(rows * len(caches), capacity, masked=masked)
             runner = _Runner(state=state, x0=torch.zeros_like(x0))
             self._runners[key] = runner
+            if len(self._runners) > self.max_shapes:
+                self._runners.popitem(last=False)
             logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, mask)")
+        else:
+            self._runners.move_to_end(key)
         self.expert.load_state(runner.state, caches)
         runner.x0.copy_(x0)
         if not self.uses_cuda_graphs:

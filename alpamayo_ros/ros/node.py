@@ -354,6 +354,9 @@ class DriveNode(Node):
         except Exception as exc:  # noqa: BLE001 - only publishing after shutdown gets here
             if not self._stopping:
                 self.get_logger().error(f"inference worker stopped: {exc!r}")
+        finally:
+            if self._pipeline is not None:
+                self._pipeline.close()  # the thread that used the engine releases it (vLLM: GPU memory)
 
     def _load_model(self) -> bool:
         settings = self.settings
