@@ -26,7 +26,7 @@ import rclpy
 import yaml
 from builtin_interfaces.msg import Time
 from rclpy.context import Context
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
@@ -156,7 +156,8 @@ class RosSide:
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id)
         self.node = Node(name, context=self.context)
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        # not MultiThreadedExecutor: its busy-wait holds the GIL and stalls the rig's thread
+        self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self._thread = threading.Thread(target=self.executor.spin, daemon=True)
         self._thread.start()
