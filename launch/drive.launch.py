@@ -34,6 +34,7 @@ PARAMETER_ARGUMENTS: dict[str, str] = {
     "dtype": "model.dtype",
     "model_id": "model.id",
     "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "kv_cache_gib": "vllm.kv_cache_gib",
     "max_model_len": "vllm.max_model_len",
     "tensor_parallel_size": "vllm.tensor_parallel_size",
     "enforce_eager": "vllm.enforce_eager",

@@ -8,12 +8,14 @@ The test side runs an rclpy context with a background executor thread.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,11 +37,27 @@ MAX_DOMAIN_ID = 101  # ids above may collide with ephemeral ports on Linux
 # Fast DDS transports must match on both sides: a LARGE_DATA participant and a default one
 # discover each other but exchange no data. LARGE_DATA keeps big best-effort images intact.
 TRANSPORTS = "LARGE_DATA"
+_DOMAIN_LOCKS: list = []  # open lock files: a domain stays ours while this process lives
 
 
 def unique_domain_id() -> int:
-    """A domain id unlikely to be used by another test process on this machine."""
-    return random.Random(f"{os.getpid()}-{time.time_ns()}").randint(1, MAX_DOMAIN_ID)
+    """A ROS domain no other test process on this machine holds (flock'd until this one exits).
+
+    Concurrent test runs must not share a domain: /clock or /diagnostics from another run's
+    node would mix into this one's.
+    """
+    candidates = list(range(1, MAX_DOMAIN_ID + 1))
+    random.Random(f"{os.getpid()}-{time.time_ns()}").shuffle(candidates)
+    for domain_id in candidates:
+        lock = open(Path(tempfile.gettempdir()) / f"alpamayo_ros_test_domain_{domain_id}.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        _DOMAIN_LOCKS.append(lock)
+        return domain_id
+    raise RuntimeError(f"all ROS domains 1..{MAX_DOMAIN_ID} are held by other test processes")
 
 
 def ros_env(domain_id: int, **extra: str) -> dict[str, str]:

@@ -180,7 +180,7 @@ class DriveNode(Node):
         self._worker = threading.Thread(target=self._worker_main, name="alpamayo_inference", daemon=True)
         self._worker.start()
 
-    # ---- callbacks (executor threads; never block on inference) ----
+    # ---- callbacks (the executor thread; never wait for inference) ----
 
     def _guarded(self, callback: Callable[..., None], *args: Any) -> None:
         """Run a callback; an exception is counted and logged (throttled), never propagated."""

@@ -82,6 +82,14 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         maximum=1.0,
     ),
     ParamSpec(
+        "vllm.kv_cache_gib",
+        4.0,
+        "KV cache the vLLM engine allocates (GiB; ~27k tokens at full size); 0 = size it from "
+        "gpu_memory_utilization instead.",
+        minimum=0.0,
+        maximum=512.0,
+    ),
+    ParamSpec(
         "vllm.max_model_len",
         8192,
         "vLLM context length (tokens); must hold prompt + reasoning.",
@@ -406,6 +414,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         **({"dtype": engine_dtype} if engine_dtype else {}),
         "max_images": len(cameras) * v["cameras.frames"],  # every frame of one request
         "gpu_memory_utilization": float(v["vllm.gpu_memory_utilization"]),
+        "kv_cache_gib": float(v["vllm.kv_cache_gib"]) or None,
         "max_model_len": v["vllm.max_model_len"],
         "tensor_parallel_size": v["vllm.tensor_parallel_size"],
         "enforce_eager": v["vllm.enforce_eager"],
