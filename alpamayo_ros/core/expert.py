@@ -7,9 +7,9 @@ tokens, bidirectionally. Module names mirror upstream's checkpoint keys (`expert
 
 Two ways to run it, equal within float rounding: `velocity(x, t, cache)` concatenates the
 cache and the action K/V on every call (upstream's append-then-crop, the reference), while
-`prepare(cache)` copies the cache once into an ExpertState with spare columns for the action
-tokens and `velocity_prepared(x, t, state)` then writes only those columns per step. The
-cache itself is never mutated.
+`prepare(cache)` copies the cache once into an ExpertState (expert_state.py) with spare
+columns for the action tokens and `velocity_prepared(x, t, state)` then writes only those
+columns per step. The cache itself is never mutated.
 """
 
 from __future__ import annotations
@@ -22,9 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.expert_state import (
+    PREPARED_ATTENTION,
+    ExpertState,
+    LayerStep,
+    prepared_layer_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,48 +195,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-#: Extra query/key channels that carry the mask of a masked ExpertState. Flash attention takes
-#: no mask, but q.k over [q, 1, 0, ...] and [k, bias, 0, ...] adds `bias` to every score of
-#: that key: 0 where attended, the dtype's minimum where blocked. 8 keeps the head size a
-#: multiple of 8, as flash kernels need.
-MASK_CHANNELS = 8
-
-#: SDPA backends of the prepared path, in order of preference. Flash first: its split-KV
-#: kernel spreads 8 kv heads x 256 folded queries over all SMs; the cuDNN kernel PyTorch
-#: prefers on Hopper took twice as long on an H200 (bench/EXPERT.md: 23 vs 46 us a layer).
-_PREPARED_ATTENTION = [
-    SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
-
-
-@dataclass
-class ExpertState:
-    """Attention inputs of one plan, in buffers of which each step rewrites only W columns.
-
-    keys/values: per expert layer (N, Hkv, C, Dk). Columns [0, T) hold the prefix cache,
-        [C - W, C) the current step's action tokens, [T, C - W) padding; C (capacity) may
-        exceed T + W, so one state (and one CUDA graph) serves plans of many lengths.
-    cos/sin: (N, 1, W, D) RoPE of the action tokens, in the model dtype.
-    query_pad: None if nothing is masked (Dk = D). Else the row [1, 0, ...] of MASK_CHANNELS
-        appended to every query; Dk = D + MASK_CHANNELS and keys[..., D] is the mask bias.
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    query_pad: torch.Tensor | None
-
-    @property
-    def rows(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
-
-
 class ExpertAttention(nn.Module):
     """GQA self-attention whose keys are [backbone cache layer ; own tokens]."""
 
@@ -318,7 +282,7 @@ class ExpertAttention(nn.Module):
         values[:, :, -length:, : self.head_dim] = v
         if query_pad is not None:
             q = torch.cat([q, query_pad.expand(*q.shape[:-1], -1)], dim=-1)
-        with sdpa_kernel(_PREPARED_ATTENTION, set_priority=True):
+        with sdpa_kernel(PREPARED_ATTENTION, set_priority=True):
             return self._attend(q, keys, values, None)
 
 
@@ -378,26 +342,6 @@ class ExpertLayer(nn.Module):
         )
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def prepared_layer_step(
-    layer: ExpertLayer,
-    h: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    query_pad: torch.Tensor | None,
-) -> torch.Tensor:
-    """One layer over one ExpertState layer.
-
-    A plain function of the layer, so that one torch.compile of it serves every layer (they
-    differ only in weights); see ExpertModel.forward_prepared.
-    """
-    return layer.forward_prepared(h, rope, keys, values, query_pad)
-
-
-#: prepared_layer_step or a compiled twin of it (same arguments).
-LayerStep = Callable[..., torch.Tensor]
 
 
 class ExpertModel(nn.Module):
@@ -556,77 +500,36 @@ class ActionExpertModel(nn.Module):
         return self.action_out_proj(hidden)
 
     def new_state(self, rows: int, capacity: int, *, masked: bool) -> ExpertState:
-        """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W).
-
-        Zeros, not empty memory: padding columns get zero attention weight, and 0 * NaN would
-        still poison the output.
-        """
+        """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W)."""
         cfg = self.config
-        if rows < 1:
-            raise ValueError(f"rows: must be >= 1, got {rows}")
-        if capacity <= cfg.n_waypoints:
-            raise ValueError(
-                f"capacity: must exceed {cfg.n_waypoints} action tokens, got {capacity}"
-            )
-        weight = self.expert.norm.weight
-        like = {"device": weight.device, "dtype": weight.dtype}
-        width = cfg.head_dim + (MASK_CHANNELS if masked else 0)
-        shape = (rows, cfg.num_kv_heads, capacity, width)
-        rope_shape = (rows, 1, cfg.n_waypoints, cfg.head_dim)
-        query_pad = None
-        if masked:
-            query_pad = torch.zeros(MASK_CHANNELS, **like)
-            query_pad[0] = 1.0
-        return ExpertState(
-            keys=[torch.zeros(shape, **like) for _ in range(cfg.num_layers)],
-            values=[torch.zeros(shape, **like) for _ in range(cfg.num_layers)],
-            cos=torch.zeros(rope_shape, **like),
-            sin=torch.zeros(rope_shape, **like),
-            query_pad=query_pad,
+        return ExpertState.zeros(
+            rows=rows,
+            capacity=capacity,
+            n_tokens=cfg.n_waypoints,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            masked=masked,
+            like=self.expert.norm.weight,
         )
 
     def load_state(self, state: ExpertState, caches: Sequence[PrefixCache]) -> None:
         """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
 
-        Rewrites every prefix column, the mask channel and the RoPE, so one state serves any
-        plan that fits: what an earlier, longer plan left in the padding is masked out.
+        One state serves any plan that fits: see ExpertState.load_rows.
         """
         cfg = self.config
         rows = sum(cache.keys[0].shape[0] for cache in caches)
         if rows != state.rows:
             raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
-        spare = state.capacity - cfg.n_waypoints  # prefix columns + padding
-        dtype = state.cos.dtype
         start = 0
         for cache in caches:
-            n_rows, length = cache.keys[0].shape[0], cache.length
+            n_rows = cache.keys[0].shape[0]
             _check_cache_layers(cfg, cache.keys, cache.values, n_rows)
-            if length > spare:
-                raise ValueError(
-                    f"cache: {length} tokens + {cfg.n_waypoints} action tokens exceed the"
-                    f" state's capacity {state.capacity}"
-                )
-            blocked = _blocked_prefix(cache)
-            rows_at = slice(start, start + n_rows)
-            bias = None
-            if state.query_pad is not None:
-                blocked = F.pad(blocked, (0, state.capacity - length))
-                blocked[:, length:spare] = True  # padding
-                bias = torch.zeros(n_rows, 1, state.capacity, dtype=dtype, device=blocked.device)
-                bias = bias.masked_fill(blocked[:, None, :], torch.finfo(dtype).min)
-            elif length != spare or bool(blocked.any()):
-                raise ValueError(
-                    "state: unmasked, but this cache needs a mask (padding, stop gap or invalid"
-                    " columns); allocate it with new_state(..., masked=True)"
-                )
-            for i in range(cfg.num_layers):
-                state.keys[i][rows_at, :, :length, : cfg.head_dim] = cache.keys[i]
-                state.values[i][rows_at, :, :length, : cfg.head_dim] = cache.values[i]
-                if bias is not None:
-                    state.keys[i][rows_at, :, :, cfg.head_dim] = bias
-            cos, sin = self.expert.rotary_emb(_action_positions(cache, cfg.n_waypoints), dtype)
-            state.cos[rows_at] = cos[:, None]
-            state.sin[rows_at] = sin[:, None]
+            positions = _action_positions(cache, cfg.n_waypoints)
+            cos, sin = self.expert.rotary_emb(positions, state.cos.dtype)
+            rope = (cos[:, None], sin[:, None])
+            state.load_rows(start, cache.keys, cache.values, _blocked_prefix(cache), rope)
             start += n_rows
 
     def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState:

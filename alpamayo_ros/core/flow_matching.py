@@ -19,12 +19,8 @@ from typing import Callable, Sequence
 import torch
 
 from alpamayo_ros.core.backbone import PrefixCache
-from alpamayo_ros.core.expert import (
-    ActionExpertModel,
-    ExpertState,
-    LayerStep,
-    prepared_layer_step,
-)
+from alpamayo_ros.core.expert import ActionExpertModel
+from alpamayo_ros.core.expert_state import ExpertState, LayerStep, prepared_layer_step
 from alpamayo_ros.core.types import NUM_WAYPOINTS
 
 logger = logging.getLogger(__name__)
