@@ -138,6 +138,9 @@ def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, ima
         "expert": expert_ms,
     }
     floors["backbone"] = floors["vision"] + floors["prefill"] + floors["decode"]
+    # names of the pipeline's backbone sub-stages (Plan.timings_ms) these floors bound
+    floors["backbone.prefill"] = floors["vision"] + floors["prefill"]
+    floors["backbone.decode"] = floors["decode"]
     floors["total"] = floors["backbone"] + floors["expert"]
     return floors
 

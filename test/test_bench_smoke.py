@@ -17,9 +17,12 @@ def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "smoke.json").read_text())
     stages = report["backends"]["hf"]["stages_ms"]
-    for stage in ("preprocess", "prompt", "backbone", "expert", "action", "total"):
+    for stage in ("preprocess", "prompt", "backbone", "backbone.prefill", "backbone.decode", "expert", "action",
+                  "total"):
         assert stages[stage]["p50"] > 0, stage
         assert stages[stage]["p50"] <= stages[stage]["p99"]
+    backbone_parts = sum(stages[f"backbone.{part}"]["p50"] for part in ("prefill", "decode", "kv_handoff"))
+    assert backbone_parts <= stages["backbone"]["p50"] * 1.01  # sub-stages of the backbone stage
     assert report["backends"]["hf"]["generated_tokens"] == [8]  # forced exact reasoning length
     assert report["roofline_floor_ms"]["total"] > 0
     assert "| hf | total |" in result.stdout

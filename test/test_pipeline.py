@@ -47,7 +47,10 @@ def test_plan_shapes_and_provenance(pipeline: Pipeline, scene) -> None:
     assert len(plan.coc) == len(plan.generated_ids) == 3
     assert all(1 <= len(ids) <= 8 for ids in plan.generated_ids)
     assert (plan.t0_ns, plan.backend) == (scene.t0_ns, "hf")
-    assert set(plan.timings_ms) == {"preprocess", "prompt", "backbone", "expert", "action", "total"}
+    assert set(plan.timings_ms) == {
+        "preprocess", "prompt", "backbone", "backbone.prefill", "backbone.decode", "backbone.kv_handoff",
+        "expert", "action", "total",
+    }
     assert plan.timings_ms["total"] >= plan.timings_ms["backbone"] > 0
 
 

@@ -215,6 +215,10 @@ def test_plan_end_to_end_matches_hf_greedy(vllm_pipeline, hf_pipeline, make_driv
     assert ours.generated_ids == reference.generated_ids
     assert ours.coc == reference.coc
     assert abs(ours.xyz - reference.xyz).max() < KV_TOL
+    for plan in (ours, reference):  # both backends split their stage the same way
+        parts = [plan.timings_ms[f"backbone.{part}"] for part in ("prefill", "decode", "kv_handoff")]
+        assert all(ms >= 0 for ms in parts) and sum(parts) <= plan.timings_ms["backbone"]
+    assert ours.timings_ms["backbone.frontend"] >= 0  # vLLM's own input processing
 
 
 def test_generate_is_unmasked_and_matches_hf(vllm_pipeline, hf_pipeline, make_driving_input):

@@ -7,7 +7,7 @@ action space) lives outside the backends, so both produce plans through the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -67,10 +67,15 @@ class Rollout:
         <|traj_future_start|> (or all of them if it never came).
     cache: K/V of prompt + generated tokens with upstream length semantics: the cache holds
         every token fed to the model, i.e. all generated tokens except the last sampled one.
+    timings_ms: see the field comment.
     """
 
     generated_ids: list[list[int]]
     cache: PrefixCache
+    # backend sub-stages in ms where the backend can tell them apart: "prefill" (vision
+    # encoder + prompt prefill, up to the first token), "decode", "kv_handoff" (cache to
+    # PrefixCache); vLLM adds "frontend" (its request/input processing)
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 class Backbone(Protocol):

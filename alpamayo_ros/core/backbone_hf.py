@@ -16,6 +16,7 @@ tower for all but one row, and makes the stop rule explicit:
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Sequence
 
 import torch
@@ -86,6 +87,7 @@ class HFBackbone:
         """
         _check_sampling(num_samples, temperature, top_p, max_new_tokens)
         prompt_len = int(prompt.input_ids.shape[0])
+        timings: dict[str, float] = {}
         if forced_ids is not None:
             forced = [int(token) for token in forced_ids]
             if not forced:
@@ -96,10 +98,19 @@ class HFBackbone:
                 self._step(generated[:, :-1], cache, prompt_len, prompt.rope_delta)
         else:
             cache, generated = self._decode(
-                prompt, num_samples, temperature, top_p, max_new_tokens, generator, min_new_tokens
+                prompt, num_samples, temperature, top_p, max_new_tokens, generator, min_new_tokens, timings
             )
         rows = [self._until_stop(row) for row in generated.tolist()]
-        return Rollout(generated_ids=rows, cache=self._prefix_cache(cache, prompt_len, prompt.rope_delta, generated))
+        start = self._clock()
+        prefix = self._prefix_cache(cache, prompt_len, prompt.rope_delta, generated)
+        timings["kv_handoff"] = self._clock() - start
+        return Rollout(generated_ids=rows, cache=prefix, timings_ms=timings)
+
+    def _clock(self) -> float:
+        """Milliseconds, after the device finished its queued work (stage timings)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() * 1e3
 
     def _decode(
         self,
@@ -110,13 +121,18 @@ class HFBackbone:
         max_new_tokens: int,
         generator: torch.Generator,
         min_new_tokens: int,
+        timings: dict[str, float],
     ):
         """Upstream's masked sampling loop with its stop rule; returns (cache, tokens (N, steps)).
 
         Before min_new_tokens, the stop and end tokens are masked too (fixed-length benchmarks).
+        Fills timings["prefill"] (vision + prompt) and timings["decode"].
         """
         ids = self.tokenizer.ids
+        start = self._clock()
         cache, logits = self._prefill_prompt(prompt, num_samples)
+        prefilled = self._clock()
+        timings["prefill"] = prefilled - start
         prompt_len = int(prompt.input_ids.shape[0])
         tokens: list[torch.Tensor] = []
         finished = torch.zeros(num_samples, dtype=torch.bool, device=self.device)
@@ -134,6 +150,7 @@ class HFBackbone:
             if stop_now or bool(finished.all()) or step + 1 == max_new_tokens:
                 break
             logits = self._step(token[:, None], cache, prompt_len + step, prompt.rope_delta)
+        timings["decode"] = self._clock() - prefilled
         return cache, torch.stack(tokens, dim=1)
 
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class VLLMBackbone:
         if min_new_tokens < 0:
             raise ValueError(f"min_new_tokens: must be >= 0, got {min_new_tokens}")
         prompt_len = int(prompt.input_ids.shape[0])
+        timings: dict[str, float] = {}
         if forced_ids is not None:
             forced = [int(token) for token in forced_ids]
             if not forced:
@@ -139,7 +141,8 @@ class VLLMBackbone:
                 early_ids=(ids.traj_future_start, ids.im_end),
             )
             results = self._sample(
-                prompt, num_samples, temperature, top_p, max_new_tokens, generator, mask, [ids.im_end], capture=True
+                prompt, num_samples, temperature, top_p, max_new_tokens, generator, mask, [ids.im_end],
+                capture=True, timings=timings,
             )
             captured = [r.captured for r in results]
             sampled = [r.output_ids for r in results]
@@ -147,7 +150,12 @@ class VLLMBackbone:
         # upstream's cache: every token fed, i.e. all sampled ids but the last. A row aborted
         # after its stop token may hold one more (async scheduling); it is cut off here.
         lengths = [prompt_len + len(row) - 1 for row in sampled]
-        return Rollout(generated_ids=generated, cache=self._prefix_cache(prompt, captured, lengths, generated))
+        start = time.perf_counter()
+        prefix = self._prefix_cache(prompt, captured, lengths, generated)
+        if prefix.keys[0].is_cuda:
+            torch.cuda.synchronize(prefix.keys[0].device)
+        timings["kv_handoff"] = (time.perf_counter() - start) * 1e3
+        return Rollout(generated_ids=generated, cache=prefix, timings_ms=timings)
 
     def prefill(self, prompt: PromptInputs, generated_ids: Sequence[Sequence[int]]) -> PrefixCache:
         """K/V of prompt + each row's generated tokens, all of them fed (see Backbone.prefill).
@@ -192,6 +200,7 @@ class VLLMBackbone:
         stop_ids: list[int],
         *,
         capture: bool,
+        timings: dict[str, float] | None = None,
     ) -> list[Any]:
         """One seeded request per row; with capture, rows also stop after <|traj_future_start|>."""
         greedy = temperature <= 0
@@ -214,6 +223,7 @@ class VLLMBackbone:
             [(request, p) for p in params],
             stop_after=self._ids.traj_future_start if capture else None,
             capture=capture,
+            timings=timings,
         )
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
         return results

@@ -180,6 +180,7 @@ class Pipeline:
                 forced_ids=self._forced_rollout(forced_coc_ids),
                 min_new_tokens=settings.min_reasoning_tokens,
             )
+        timings.update({f"backbone.{stage}": ms for stage, ms in rollout.timings_ms.items()})
         guided = settings.cfg_weight is not None and inputs.route_text is not None
         if settings.cfg_weight is not None and not guided:
             logger.debug("cfg_weight set but the input has no route_text: plain sampling")

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -631,13 +632,20 @@ def run_requests(
     *,
     stop_after: int | None,
     capture: bool,
+    timings: dict[str, float] | None = None,
 ) -> list[RequestResult]:
     """Run requests to completion and return their ids (and K/V), in request order.
 
     stop_after: a request is aborted as soon as one more token follows this id (upstream's
     stop rule); its K/V then ends at that id.
+    timings, if given, receives wall milliseconds of "frontend" (vLLM's input processing in
+    add_request), "prefill" (engine steps up to the first sampled token: vision encoder +
+    prompt) and "decode" (the rest). The in-process engine's step returns sampled ids on the
+    host, so these walls include the device work.
     """
     engine = llm.llm_engine
+    started = time.perf_counter()
+    added = first_token = None
     tag = uuid.uuid4().hex[:12]
     external = [f"alpamayo-{tag}-{row}" for row in range(len(requests))]
     internal: dict[str, str] = {}
@@ -647,9 +655,12 @@ def run_requests(
             internal[ext] = engine.add_request(ext, prompt, params)
             if capture:
                 sink.wanted.add(internal[ext])
+        added = time.perf_counter()
         while engine.has_unfinished_requests():
             for output in engine.step():
                 ids = list(output.outputs[0].token_ids)
+                if first_token is None and ids:
+                    first_token = time.perf_counter()
                 stop_now = stop_after is not None and not output.finished and stop_after in ids[:-1]
                 if stop_now:
                     engine.abort_request([output.request_id])
@@ -663,6 +674,11 @@ def run_requests(
     finally:
         for rid in internal.values():
             sink.wanted.discard(rid)
+    if timings is not None and added is not None and first_token is not None:
+        finished = time.perf_counter()
+        timings.update(
+            frontend=(added - started) * 1e3, prefill=(first_token - added) * 1e3, decode=(finished - first_token) * 1e3
+        )
     captured = {ext: sink.captured.pop(internal[ext], None) for ext in external}
     missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
     if missing:
