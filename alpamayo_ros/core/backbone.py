@@ -125,3 +125,21 @@ class Backbone(Protocol):
         rule; a row ends with <|im_end|> (included) or at max_new_tokens. No K/V returned.
         """
         ...
+
+
+def check_sampling_args(num_samples: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """Reject sampling arguments every backend would mishandle, naming the argument."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if temperature != temperature:
+        raise ValueError("temperature: NaN")
+
+
+def cut_after_stop(row: Sequence[int], stop_id: int) -> list[int]:
+    """A row's ids up to and including its first stop id (all of them if there is none)."""
+    row = list(row)
+    return row[: row.index(stop_id) + 1] if stop_id in row else row

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .backbone import PrefixCache, PromptInputs, Rollout
+from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop
 from .config import AlpamayoConfig
 from .tokenizer import AlpamayoTokenizer
 
@@ -85,7 +85,7 @@ class HFBackbone:
         forced_ids, if given, is every row's complete generated sequence (teacher forcing):
         nothing is sampled, and all but its last token are fed, as in a real rollout.
         """
-        _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        check_sampling_args(num_samples, temperature, top_p, max_new_tokens)
         prompt_len = int(prompt.input_ids.shape[0])
         timings: dict[str, float] = {}
         if forced_ids is not None:
@@ -100,7 +100,7 @@ class HFBackbone:
             cache, generated = self._decode(
                 prompt, num_samples, temperature, top_p, max_new_tokens, generator, min_new_tokens, timings
             )
-        rows = [self._until_stop(row) for row in generated.tolist()]
+        rows = [cut_after_stop(row, self.tokenizer.ids.traj_future_start) for row in generated.tolist()]
         start = self._clock()
         prefix = self._prefix_cache(cache, prompt_len, prompt.rope_delta, generated)
         timings["kv_handoff"] = self._clock() - start
@@ -189,7 +189,7 @@ class HFBackbone:
 
         No `<i*>` mask and no trajectory stop rule; a row ends at `<|im_end|>` (kept in its ids).
         """
-        _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        check_sampling_args(num_samples, temperature, top_p, max_new_tokens)
         ids = self.tokenizer.ids
         cache, logits = self._prefill_prompt(prompt, num_samples)
         prompt_len = int(prompt.input_ids.shape[0])
@@ -235,11 +235,6 @@ class HFBackbone:
         )
         return outputs.logits[:, -1].float()
 
-    def _until_stop(self, row: list[int]) -> list[int]:
-        """Cut a row after its first <|traj_future_start|> (keep it all if there is none)."""
-        stop = self.tokenizer.ids.traj_future_start
-        return row[: row.index(stop) + 1] if stop in row else row
-
     def _prefix_cache(
         self,
         cache,
@@ -264,14 +259,3 @@ class HFBackbone:
             offsets=(first + prompt_len).to(torch.long),
             rope_deltas=torch.full((rows,), rope_delta, dtype=torch.long, device=self.device),
         )
-
-
-def _check_sampling(num_samples: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if num_samples < 1:
-        raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if temperature != temperature:
-        raise ValueError("temperature: NaN")

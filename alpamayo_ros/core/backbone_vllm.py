@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .backbone import PrefixCache, PromptInputs, Rollout
+from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop
 from .config import AlpamayoConfig
 from .tokenizer import TokenIds
 
@@ -120,7 +120,7 @@ class VLLMBackbone:
         but its last token are fed. Before min_new_tokens, the stop and end tokens are masked
         as well (fixed-length benchmarks).
         """
-        _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        check_sampling_args(num_samples, temperature, top_p, max_new_tokens)
         if min_new_tokens < 0:
             raise ValueError(f"min_new_tokens: must be >= 0, got {min_new_tokens}")
         prompt_len = int(prompt.input_ids.shape[0])
@@ -146,7 +146,7 @@ class VLLMBackbone:
             )
             captured = [r.captured for r in results]
             sampled = [r.output_ids for r in results]
-        generated = [self._until_stop(row) for row in sampled]
+        generated = [cut_after_stop(row, self._ids.traj_future_start) for row in sampled]
         # upstream's cache: every token fed, i.e. all sampled ids but the last. A row aborted
         # after its stop token may hold one more (async scheduling); it is cut off here.
         lengths = [prompt_len + len(row) - 1 for row in sampled]
@@ -180,7 +180,7 @@ class VLLMBackbone:
         generator: torch.Generator,
     ) -> list[list[int]]:
         """Plain sampling for VQA: no `<i*>` mask, no trajectory stop; `<|im_end|>` ends a row."""
-        _check_sampling(num_samples, temperature, top_p, max_new_tokens)
+        check_sampling_args(num_samples, temperature, top_p, max_new_tokens)
         results = self._sample(
             prompt, num_samples, temperature, top_p, max_new_tokens, generator, None, [self._ids.im_end], capture=False
         )
@@ -278,12 +278,6 @@ class VLLMBackbone:
 
     # -- output assembly --------------------------------------------------------------
 
-    def _until_stop(self, row: Sequence[int]) -> list[int]:
-        """Cut a row after its first <|traj_future_start|> (keep it all if there is none)."""
-        row = list(row)
-        stop = self._ids.traj_future_start
-        return row[: row.index(stop) + 1] if stop in row else row
-
     def _prefix_cache(
         self, prompt: PromptInputs, captured: list[Any], lengths: list[int], generated: Sequence[Sequence[int]]
     ) -> PrefixCache:
@@ -320,14 +314,3 @@ class VLLMBackbone:
             rope_deltas=torch.full((rows,), prompt.rope_delta, dtype=torch.long, device=device),
             valid=None if all(length == width for length in lengths) else valid,
         )
-
-
-def _check_sampling(num_samples: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if num_samples < 1:
-        raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if temperature != temperature:
-        raise ValueError("temperature: NaN")
