@@ -25,12 +25,13 @@ from typing import Any, Callable, Iterable
 import cv2
 import numpy as np
 import rclpy
-import yaml
-from builtin_interfaces.msg import Time
 from rclpy.context import Context
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.ros.params import write_params_file  # noqa: F401 - the tests' params files
 
 VENV_BIN = Path(sys.executable).parent
 MAX_DOMAIN_ID = 101  # ids above may collide with ephemeral ports on Linux
@@ -75,19 +76,6 @@ def ros_env(domain_id: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def write_params_file(path: Path, parameters: dict[str, Any]) -> Path:
-    """Write flat dotted parameters as a `/**: ros__parameters:` YAML file."""
-    nested: dict[str, Any] = {}
-    for name, value in parameters.items():
-        *groups, leaf = name.split(".")
-        target = nested
-        for group in groups:
-            target = target.setdefault(group, {})
-        target[leaf] = value
-    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": nested}}, sort_keys=False))
-    return path
-
-
 def start_console_script(
     name: str, *, env: dict[str, str], log_path: Path, params_file: Path | None = None, ros_args: Iterable[str] = ()
 ) -> subprocess.Popen:
@@ -123,6 +111,11 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
     if log is not None:
         log.close()
     return process.returncode
+
+
+def diag_values(msg: Any) -> dict[str, str]:
+    """Key-values of the first status of a DiagnosticArray."""
+    return {kv.key: kv.value for kv in msg.status[0].values}
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
@@ -307,7 +300,7 @@ class SensorRig:
         pixels = np.full((height, width, 3), (camera.index * 40 + stamp_ns // 100_000_000) % 256, dtype=np.uint8)
         pixels[:, : width // 2, 1] = 200  # some structure, so JPEG has work to do
         header = Header(
-            stamp=Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000),
+            stamp=ns_to_stamp(stamp_ns),
             frame_id=f"camera_{camera.index}",
         )
         if camera.transport == "raw":
@@ -330,7 +323,7 @@ class SensorRig:
         from geometry_msgs.msg import Quaternion
 
         msg = self._odometry_type()
-        msg.header.stamp = Time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000)
+        msg.header.stamp = ns_to_stamp(stamp_ns)
         msg.header.frame_id, msg.child_frame_id = "odom", "base_link"
         x, y = self.ego_xy(stamp_ns)
         if self.odometry_nan:
@@ -357,7 +350,7 @@ class SensorRig:
             now = self.now_ns()
             if self._clock_pub is not None and mono >= next_clock:
                 self._clock_pub.publish(
-                    self._clock_type(clock=Time(sec=now // 1_000_000_000, nanosec=now % 1_000_000_000))
+                    self._clock_type(clock=ns_to_stamp(now))
                 )
                 next_clock = mono + self.CLOCK_PERIOD_NS
             if mono >= next_odometry:

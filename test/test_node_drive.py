@@ -19,6 +19,7 @@ from ros_helpers import (
     CameraFeed,
     RosSide,
     SensorRig,
+    diag_values,
     ros_env,
     start_console_script,
     stop_process,
@@ -29,19 +30,12 @@ from ros_helpers import (
 from std_msgs.msg import String
 from visualization_msgs.msg import Marker, MarkerArray
 
+from alpamayo_ros.ros.convert import stamp_to_ns
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet
 
 NODE = "/alpamayo_drive"
 ROUTE = "Turn left onto De La Cruz Boulevard in 40m"
 FAULT_TIMEOUT_S = 30.0  # a fault is seen at the first idle tick: up to one plan (slow on a busy CI box)
-
-
-def stamp_ns(stamp: Any) -> int:
-    return stamp.sec * 1_000_000_000 + stamp.nanosec
-
-
-def diag_values(msg: DiagnosticArray) -> dict[str, str]:
-    return {kv.key: kv.value for kv in msg.status[0].values}
 
 
 class Harness:
@@ -123,12 +117,12 @@ def harness(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
 def test_plans_are_published_with_t0_stamp_and_frame(harness: Harness) -> None:
     assert wait_until(lambda: len(harness.paths) >= 2, timeout_s=120), harness.log_text()
     path = harness.paths.messages[-1]
-    t0 = stamp_ns(path.header.stamp)
+    t0 = stamp_to_ns(path.header.stamp)
     assert len(path.poses) == 64
     assert path.header.frame_id == "odom"  # output.frame odom -> the odometry message's frame
     # t0 is a capture stamp the rig published: the oldest of the cameras' newest stamps
     assert any(t0 in camera.stamps_ns for camera in harness.cameras)
-    assert all(stamp_ns(pose.header.stamp) == t0 + (k + 1) * 100_000_000 for k, pose in enumerate(path.poses))
+    assert all(stamp_to_ns(pose.header.stamp) == t0 + (k + 1) * 100_000_000 for k, pose in enumerate(path.poses))
     # odom frame: the plan starts at the ego's ground-truth position at t0, ~0.5 m ahead at 5 m/s
     ego_x, ego_y = harness.rig.ego_xy(t0)
     first = path.poses[0].pose.position
@@ -136,7 +130,7 @@ def test_plans_are_published_with_t0_stamp_and_frame(harness: Harness) -> None:
     assert math.hypot(first.x - ego_x, first.y - ego_y) < 2.0 and ahead > 0.0
 
     # companions of that Path (published before it) carry the same t0 and frame
-    matching = [m for m in harness.sets.messages if stamp_ns(m.header.stamp) == t0]
+    matching = [m for m in harness.sets.messages if stamp_to_ns(m.header.stamp) == t0]
     assert matching, "no TrajectorySet for the Path's t0"
     trajectory_set = matching[0]
     assert trajectory_set.header.frame_id == "odom" and len(trajectory_set.samples) == 2
@@ -145,15 +139,15 @@ def test_plans_are_published_with_t0_stamp_and_frame(harness: Harness) -> None:
     assert len(trajectory_set.scores) == 2 and trajectory_set.horizon_s == pytest.approx(6.4)
     selected = trajectory_set.samples[trajectory_set.selected_index].poses
     assert [p.position.x for p in selected] == pytest.approx([p.pose.position.x for p in path.poses])
-    reasoning = [m for m in harness.reasoning.messages if stamp_ns(m.header.stamp) == t0][0]
+    reasoning = [m for m in harness.reasoning.messages if stamp_to_ns(m.header.stamp) == t0][0]
     assert reasoning.navigation_command == ROUTE and reasoning.backend == "hf"
     assert reasoning.model_id == harness.checkpoint.name and len(reasoning.sample_cocs) == 2
     assert 1 <= reasoning.generated_tokens <= 8
-    markers = [m for m in harness.markers.messages if m.markers and stamp_ns(m.markers[-1].header.stamp) == t0][0]
+    markers = [m for m in harness.markers.messages if m.markers and stamp_to_ns(m.markers[-1].header.stamp) == t0][0]
     kinds = [marker.type for marker in markers.markers if marker.action == Marker.ADD]
     assert kinds.count(Marker.LINE_STRIP) == 2 and kinds.count(Marker.TEXT_VIEW_FACING) == 1
     assert markers.markers[0].action == Marker.DELETEALL
-    timings = [m for m in harness.timings.messages if stamp_ns(m.header.stamp) == t0][0]
+    timings = [m for m in harness.timings.messages if stamp_to_ns(m.header.stamp) == t0][0]
     assert {"preprocess", "backbone", "expert", "total"} <= set(timings.stage_names)
     assert timings.latency_ms >= timings.input_age_ms >= 0.0
     assert len(harness.coc) >= 1
@@ -236,7 +230,7 @@ def test_fault_is_reported_without_path_and_node_survives(
         ended_ns += 1_400_000_000  # a NaN sample poisons every history window that holds it
         assert wait_until(lambda: harness.rig.now_ns() > ended_ns + 500_000_000, timeout_s=5)
     harness.fault_windows.append((name, window_start, ended_ns))
-    planned = [stamp_ns(p.header.stamp) for p in harness.paths.since(started_mono)]
+    planned = [stamp_to_ns(p.header.stamp) for p in harness.paths.since(started_mono)]
     assert not [t0 for t0 in planned if window_start < t0 <= ended_ns], f"{name}: a Path was planned from faulty input"
     assert harness.alive(), harness.log_text()
 
@@ -244,13 +238,13 @@ def test_fault_is_reported_without_path_and_node_survives(
 def test_node_recovers_after_all_faults(harness: Harness) -> None:
     resumed_ns = harness.rig.now_ns()
     recovered = wait_until(
-        lambda: any(stamp_ns(p.header.stamp) > resumed_ns for p in harness.paths.messages), timeout_s=60
+        lambda: any(stamp_to_ns(p.header.stamp) > resumed_ns for p in harness.paths.messages), timeout_s=60
     )
     assert recovered, harness.log_text()
     assert harness.alive()
     # plans run one at a time and the Path is published last, so every plan started during a
     # fault has been received by now: none may carry a t0 from inside a fault window
-    planned = [stamp_ns(p.header.stamp) for p in harness.paths.messages]
+    planned = [stamp_to_ns(p.header.stamp) for p in harness.paths.messages]
     for name, first, last in harness.fault_windows:
         assert not [t0 for t0 in planned if first < t0 <= last], f"{name}: a Path was planned from faulty input"
     assert len(harness.fault_windows) == len(_faults())

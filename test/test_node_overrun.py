@@ -16,6 +16,7 @@ from ros_helpers import (
     CameraFeed,
     RosSide,
     SensorRig,
+    diag_values,
     ros_env,
     start_console_script,
     stop_process,
@@ -24,6 +25,7 @@ from ros_helpers import (
     write_params_file,
 )
 
+from alpamayo_ros.ros.convert import stamp_to_ns
 from alpamayo_ros_msgs.msg import StageTimings, TrajectorySet
 
 NODE = "/alpamayo_drive"
@@ -31,14 +33,6 @@ SIM_START_S = 1000.0  # far from wall time: a node on the wall clock would see o
 PERIOD_S = 0.1
 MIN_STEADY_S = 4.0
 PLANS_OBSERVED = 4
-
-
-def stamp_ns(stamp) -> int:
-    return stamp.sec * 1_000_000_000 + stamp.nanosec
-
-
-def diag_values(msg: DiagnosticArray) -> dict[str, str]:
-    return {kv.key: kv.value for kv in msg.status[0].values}
 
 
 class SimHarness:
@@ -113,7 +107,7 @@ def test_slow_inference_publishes_latest_only_and_counts_overruns(sim: SimHarnes
 
     # stamps and frame come from the simulated clock and the parameter
     for _, path in received:
-        t0 = stamp_ns(path.header.stamp)
+        t0 = stamp_to_ns(path.header.stamp)
         assert any(t0 in camera.stamps_ns for camera in sim.cameras)  # a capture stamp, in simulated time
         assert path.header.frame_id == "ego_at_t0" and len(path.poses) == 64
         assert abs(path.poses[0].pose.position.y) < 1.0 and 0.0 < path.poses[0].pose.position.x < 2.5
@@ -136,7 +130,7 @@ def test_slow_inference_publishes_latest_only_and_counts_overruns(sim: SimHarnes
     plan_ms = [m.stage_ms[list(m.stage_names).index("total")] for m in timings]
     input_ages_s = [m.input_age_ms / 1e3 for m in timings]
     assert max(input_ages_s) < 1.5, input_ages_s
-    latencies_s = [(sim.rig.clock_at(t) - stamp_ns(path.header.stamp)) / 1e9 for t, path in received]
+    latencies_s = [(sim.rig.clock_at(t) - stamp_to_ns(path.header.stamp)) / 1e9 for t, path in received]
     assert max(latencies_s) < max(plan_ms) / 1e3 + 1.7, (latencies_s, plan_ms)
     # ... and it publishes at the achievable rate: back to back, one tick of idle at most
     achievable = steady_s / (statistics.median(plan_ms) / 1e3 + 2 * PERIOD_S + 0.1)
@@ -175,13 +169,13 @@ def test_sampling_parameters_update_at_runtime(sim: SimHarness) -> None:
     assert first.successful
     restored = time.monotonic()
     assert wait_until(lambda: len(sim.paths.since(restored)) > 0, timeout_s=60)
-    unpublished = stamp_ns(candidates.header.stamp)
-    assert unpublished not in {stamp_ns(p.header.stamp) for p in sim.paths.messages}
+    unpublished = stamp_to_ns(candidates.header.stamp)
+    assert unpublished not in {stamp_to_ns(p.header.stamp) for p in sim.paths.messages}
 
 
 def test_clock_loop_clears_buffers_and_planning_resumes(sim: SimHarness) -> None:
     """A bag loop: /clock and every stamp jump back 30 s."""
-    newest_before = max(stamp_ns(p.header.stamp) for p in sim.paths.messages)
+    newest_before = max(stamp_to_ns(p.header.stamp) for p in sim.paths.messages)
     backwards_before = int(sim.latest().get("rejected.time_backwards", 0))
     jumped = time.monotonic()
     sim.rig.jump_clock(-30_000_000_000)
@@ -189,7 +183,7 @@ def test_clock_loop_clears_buffers_and_planning_resumes(sim: SimHarness) -> None
         lambda: int(sim.latest().get("rejected.time_backwards", 0)) > backwards_before, timeout_s=30
     ), sim.log_text()
     resumed = wait_until(
-        lambda: any(stamp_ns(p.header.stamp) < newest_before - 20_000_000_000 for p in sim.paths.since(jumped)),
+        lambda: any(stamp_to_ns(p.header.stamp) < newest_before - 20_000_000_000 for p in sim.paths.since(jumped)),
         timeout_s=60,
     )
     assert resumed, sim.log_text()

@@ -127,8 +127,12 @@ class Backbone(Protocol):
         ...
 
 
-def check_sampling_args(num_samples: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
+def check_sampling_args(
+    num_samples: int, temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int = 0
+) -> None:
     """Reject sampling arguments every backend would mishandle, naming the argument."""
+    if min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens: must be >= 0, got {min_new_tokens}")
     if num_samples < 1:
         raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
     if not 0 < top_p <= 1:
@@ -143,3 +147,11 @@ def cut_after_stop(row: Sequence[int], stop_id: int) -> list[int]:
     """A row's ids up to and including its first stop id (all of them if there is none)."""
     row = list(row)
     return row[: row.index(stop_id) + 1] if stop_id in row else row
+
+
+def forced_row(forced_ids: Sequence[int]) -> list[int]:
+    """A teacher-forced rollout row as plain ints; it must hold at least one token."""
+    forced = [int(token) for token in forced_ids]
+    if not forced:
+        raise ValueError("forced_ids: empty")
+    return forced

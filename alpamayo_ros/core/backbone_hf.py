@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop
+from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
 from .config import AlpamayoConfig
 from .tokenizer import AlpamayoTokenizer
 
@@ -85,13 +85,11 @@ class HFBackbone:
         forced_ids, if given, is every row's complete generated sequence (teacher forcing):
         nothing is sampled, and all but its last token are fed, as in a real rollout.
         """
-        check_sampling_args(num_samples, temperature, top_p, max_new_tokens)
+        check_sampling_args(num_samples, temperature, top_p, max_new_tokens, min_new_tokens)
         prompt_len = int(prompt.input_ids.shape[0])
         timings: dict[str, float] = {}
         if forced_ids is not None:
-            forced = [int(token) for token in forced_ids]
-            if not forced:
-                raise ValueError("forced_ids: empty")
+            forced = forced_row(forced_ids)
             cache, _ = self._prefill_prompt(prompt, num_samples)
             generated = torch.tensor([forced] * num_samples, dtype=torch.long, device=self.device)
             if len(forced) > 1:

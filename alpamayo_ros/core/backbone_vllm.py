@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop
+from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
 from .config import AlpamayoConfig
 from .tokenizer import TokenIds
 
@@ -120,15 +120,11 @@ class VLLMBackbone:
         but its last token are fed. Before min_new_tokens, the stop and end tokens are masked
         as well (fixed-length benchmarks).
         """
-        check_sampling_args(num_samples, temperature, top_p, max_new_tokens)
-        if min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens: must be >= 0, got {min_new_tokens}")
+        check_sampling_args(num_samples, temperature, top_p, max_new_tokens, min_new_tokens)
         prompt_len = int(prompt.input_ids.shape[0])
         timings: dict[str, float] = {}
         if forced_ids is not None:
-            forced = [int(token) for token in forced_ids]
-            if not forced:
-                raise ValueError("forced_ids: empty")
+            forced = forced_row(forced_ids)
             captured = self._feed(prompt, [forced[:-1]]) * num_samples
             sampled = [forced] * num_samples
         else:

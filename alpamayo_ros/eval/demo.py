@@ -26,7 +26,6 @@ from typing import Any, Sequence
 import cv2
 import numpy as np
 import rclpy
-import yaml
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
@@ -42,6 +41,7 @@ from alpamayo_ros.eval.record import Recorder
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, Pose2D, Renderer, Road, Vehicle, default_rig
 from alpamayo_ros.ros.convert import ns_to_stamp, stamp_to_ns
+from alpamayo_ros.ros.params import write_params_file
 from alpamayo_ros_msgs.msg import TrajectorySet
 
 logger = logging.getLogger(__name__)
@@ -309,18 +309,6 @@ def _stop_node(process: subprocess.Popen) -> int:
     return process.returncode
 
 
-def _write_params(path: Path, parameters: dict[str, Any]) -> None:
-    """Dotted names -> a `/**: ros__parameters:` YAML (the node's and the evaluator's input)."""
-    nested: dict[str, Any] = {}
-    for name, value in parameters.items():
-        *groups, leaf = name.split(".")
-        target = nested
-        for group in groups:
-            target = target.setdefault(group, {})
-        target[leaf] = value
-    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": nested}}, sort_keys=False))
-
-
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Drive, record, evaluate; returns the report document (also in opts.out/report.json)."""
     out = opts.out
@@ -337,7 +325,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         logger.info("wrote a tiny random checkpoint to %s", checkpoint)
     rig = default_rig(opts.width, opts.height)[: opts.cameras]
     params_file = out / "drive.yaml"
-    _write_params(params_file, node_parameters(opts, rig, checkpoint))
+    write_params_file(params_file, node_parameters(opts, rig, checkpoint))
     bag = out / "session"
     started = time.monotonic()
     rclpy.init()

@@ -23,6 +23,7 @@ from rosbags.highlevel import AnyReader
 from rosgraph_msgs.msg import Clock
 
 from alpamayo_ros.eval.bags import kilted_typestore, message_class
+from alpamayo_ros.ros.convert import ns_to_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,7 @@ class BagPlayer:
         return False
 
     def _publish_clock(self, bag_ns: int) -> None:
-        msg = Clock()
-        msg.clock.sec, msg.clock.nanosec = divmod(int(bag_ns), 1_000_000_000)
+        msg = Clock(clock=ns_to_stamp(int(bag_ns)))
         self._clock_pub.publish(msg)
 
     def play_once(self) -> int:

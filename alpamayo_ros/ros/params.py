@@ -12,7 +12,10 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
+
+import yaml
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.node import Node
@@ -477,6 +480,19 @@ def _parse_cameras(topics: list[str], indices: list[int], transports: list[str])
     if bad:
         raise ParameterError("cameras.transports", f"{bad[0]!r} is not one of {', '.join(TRANSPORTS)}")
     return tuple(CameraInput(topic, index, transport) for topic, index, transport in zip(topics, indices, transports))
+
+
+def write_params_file(path: Path, parameters: Mapping[str, Any]) -> Path:
+    """Write dotted parameter names as a `/**: ros__parameters:` YAML file (node and evaluator input)."""
+    nested: dict[str, Any] = {}
+    for name, value in parameters.items():
+        *groups, leaf = name.split(".")
+        target = nested
+        for group in groups:
+            target = target.setdefault(group, {})
+        target[leaf] = value
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": nested}}, sort_keys=False))
+    return path
 
 
 def descriptor(spec: ParamSpec) -> ParameterDescriptor:
