@@ -2,6 +2,9 @@
 
 Workloads (issue 7): W16 = cameras 0,1,2,6 x 4 frames of 1080x1920 RGB, 1 sample, reasoning forced
 to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights.
+Inputs stream as a node sees them at a 10 Hz plan rate: each plan brings one new frame per camera
+and shares the other three with the plan before (so frame caches work as in the node);
+"-fresh" = every frame of every plan is new (nothing can be reused).
 Every backend named in --backends runs the same inputs in the same process, so the printed ratios
 are same-run figures. `--smoke` runs a tiny random checkpoint on the CPU (CI keeps it from rotting).
 
@@ -19,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -43,35 +47,47 @@ class Workload:
     width: int = 1920
     reasoning_tokens: int = 40
     quantization: str | None = None
+    stream: bool = True  # consecutive plans share all but one frame per camera
+
+
 
 
 WORKLOADS = {
     "W16": Workload(cameras=(0, 1, 2, 6)),
+    "W16-fresh": Workload(cameras=(0, 1, 2, 6), stream=False),
     "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8"),
     "W4": Workload(cameras=(1,)),
     "smoke": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8),
 }
 
 
-def synthetic_input(workload: Workload, seed: int) -> DrivingInput:
-    """Random frames and a straight 10 m/s history: content does not change the cost."""
+def synthetic_inputs(workload: Workload, seed: int) -> Iterator[DrivingInput]:
+    """Endless plans of random frames and a straight 10 m/s history (content does not change
+    the cost); with workload.stream, each plan is the previous window moved on by one frame."""
     rng = np.random.default_rng(seed)
     shape = (len(workload.cameras), workload.frames, workload.height, workload.width, 3)
-    images = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    t0_ns = 10_000_000_000
     spacing_ns = int(FRAME_SPACING_S * 1e9)
-    stamps = t0_ns - spacing_ns * np.arange(workload.frames - 1, -1, -1, dtype=np.int64)
     history_x = 10.0 * 0.1 * np.arange(-(NUM_HISTORY_POSES - 1), 1, dtype=np.float32)
     xyz = np.stack([history_x, np.zeros_like(history_x), np.zeros_like(history_x)], axis=-1)
     rot = np.broadcast_to(np.eye(3, dtype=np.float32), (NUM_HISTORY_POSES, 3, 3)).copy()
-    return DrivingInput(
-        images=images,
-        camera_indices=workload.cameras,
-        frame_stamps_ns=np.broadcast_to(stamps, shape[:2]).copy(),
-        t0_ns=t0_ns,
-        ego_history_xyz=xyz,
-        ego_history_rot=rot,
-    )
+    images = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    t0_ns = 10_000_000_000
+    while True:
+        stamps = t0_ns - spacing_ns * np.arange(workload.frames - 1, -1, -1, dtype=np.int64)
+        yield DrivingInput(
+            images=images,
+            camera_indices=workload.cameras,
+            frame_stamps_ns=np.broadcast_to(stamps, shape[:2]).copy(),
+            t0_ns=t0_ns,
+            ego_history_xyz=xyz,
+            ego_history_rot=rot,
+        )
+        t0_ns += spacing_ns
+        if workload.stream:
+            new = rng.integers(0, 256, size=(shape[0], 1, *shape[2:]), dtype=np.uint8)
+            images = np.concatenate([images[:, 1:], new], axis=1)
+        else:
+            images = rng.integers(0, 256, size=shape, dtype=np.uint8)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -90,24 +106,36 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int) 
     )
     stages: dict[str, list[float]] = {}
     generated: list[int] = []
+    in_use_peak = 0.0
+    stream = synthetic_inputs(workload, seed=0)
     for index in range(warmup + runs):
-        inputs = synthetic_input(workload, seed=index)
+        inputs = next(stream)
+        if index == warmup:
+            hits, misses = pipeline.frames.hits, pipeline.frames.misses
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
         plan = pipeline.plan(inputs, settings)
         wall_ms = (time.perf_counter() - start) * 1e3
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            in_use_peak = max(in_use_peak, (total - free) / 2**30)
         if index < warmup:
             continue
         generated.append(len(plan.generated_ids[0]))
         for stage, ms in plan.timings_ms.items():
             stages.setdefault(stage, []).append(ms)
         stages.setdefault("wall", []).append(wall_ms)
-    return {
+    result = {
         "stages_ms": {stage: percentiles(values) for stage, values in stages.items()},
         "generated_tokens": sorted(set(generated)),
         "runs": runs,
+        "frames_reused": pipeline.frames.hits - hits,
+        "frames_preprocessed": pipeline.frames.misses - misses,
     }
+    if torch.cuda.is_available():
+        result["gpu_in_use_peak_gib"] = in_use_peak
+    return result
 
 
 def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, image_patches: int) -> dict:
@@ -158,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM KV cache on the GPU (the node's default)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -197,7 +226,11 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     for position, backend in enumerate(backends):
         options = {}
         if backend == "vllm":
-            options = {"gpu_memory_utilization": args.gpu_memory_utilization, "quantization": workload.quantization}
+            options = {
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "kv_cache_gib": args.kv_cache_gib,
+                "quantization": workload.quantization,
+            }
             if not args.device.startswith("cuda"):
                 options = {"enforce_eager": True, "kv_cache_gib": 1}
         start = time.perf_counter()
@@ -220,7 +253,8 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     images = len(workload.cameras) * workload.frames
     # 1080x1920 frames: 20x36 patches, 180 tokens each after the 2x2 merge (smoke: indicative only)
     prompt_tokens = images * 186 + 90  # image tokens + frame/camera text per image, plus the fixed text
-    results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, images * 720)
+    encoded = len(workload.cameras) if workload.stream else images  # new frames per plan
+    results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, encoded * 720)
     return results
 
 
@@ -245,7 +279,11 @@ def print_report(results: dict) -> None:
             lines.append(f"{other} total p50 / {backends[0]} total p50 = **{ratio:.2f}x**")
     for backend in backends:
         info = results["backends"][backend]
-        extra = ", ".join(f"{k}={v:.2f}" for k, v in info.items() if isinstance(v, float))
+        extra = ", ".join(
+            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in info.items()
+            if isinstance(v, (int, float)) and k != "runs"
+        )
         lines.append(f"- {backend}: runs={info['runs']}, generated tokens={info['generated_tokens']}, {extra}")
     print("\n".join(lines))
     sys.stdout.flush()

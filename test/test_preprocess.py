@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from alpamayo_ros.core.preprocess import VisionGeometry, preprocess_frames, smart_resize
+from alpamayo_ros.core.preprocess import VisionGeometry, preprocess_frames, resize_frames, smart_resize
 
 GEOMETRY = VisionGeometry()  # Alpamayo 1.5: patch 16, merge 2, pixels 163840..196608
 
@@ -52,21 +52,21 @@ def test_resized_frames_are_torchvisions_resize() -> None:
     from torchvision.transforms.v2 import functional as tvF
 
     frames = np.random.default_rng(1).integers(0, 256, (3, 1080, 1920, 3), dtype=np.uint8)
-    ours = preprocess_frames(frames, GEOMETRY)
+    ours = resize_frames(torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), (320, 576))
     expected = tvF.resize(
         torch.from_numpy(frames).permute(0, 3, 1, 2),
         [320, 576],
         interpolation=InterpolationMode.BICUBIC,
         antialias=True,
     )
-    assert ours.resized.dtype == torch.uint8
-    assert torch.equal(ours.resized, expected.permute(0, 2, 3, 1))
+    assert ours.dtype == torch.uint8
+    assert torch.equal(ours, expected)
 
 
 def test_frames_already_at_size_are_not_resampled() -> None:
     frames = np.random.default_rng(2).integers(0, 256, (1, 320, 576, 3), dtype=np.uint8)
     ours = preprocess_frames(frames, GEOMETRY)
-    assert torch.equal(ours.resized[0], torch.from_numpy(frames[0]))
+    assert ours.image_grid_thw.tolist() == [[1, 20, 36]]
     # patch 0 holds the top-left 16x16 pixels of channel 0, twice (temporal patch of a still image)
     first = (torch.from_numpy(frames[0, :16, :16, 0]).float() - 127.5) / 127.5
     assert torch.equal(ours.pixel_values[0, :256].view(16, 16), first)
@@ -78,6 +78,8 @@ def test_bad_frames_are_rejected_by_name() -> None:
         preprocess_frames(np.zeros((2, 64, 64, 3), dtype=np.float32), GEOMETRY)
     with pytest.raises(ValueError, match="frames"):
         preprocess_frames(np.zeros((64, 64, 3), dtype=np.uint8), GEOMETRY)
+    with pytest.raises(ValueError, match="keys: 1 keys for 2 frames"):
+        preprocess_frames(np.zeros((2, 64, 64, 3), dtype=np.uint8), GEOMETRY, keys=["a"])
     with pytest.raises(ValueError, match="aspect ratio"):
         smart_resize(10, 4000, GEOMETRY)
     with pytest.raises(ValueError, match="min_pixels"):

@@ -271,3 +271,28 @@ def test_model_folder_links_weights_and_builds_a_missing_tokenizer(tiny_checkpoi
     assert vlm["architectures"] == [ARCHITECTURE] and vlm["text_config"]["vocab_size"] == config.vocab_size
     assert len(AutoTokenizer.from_pretrained(str(folder))) == config.vocab_size
     assert materialize_model_dir(*args) == folder  # reused while the inputs are unchanged
+
+
+def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf_pipeline, make_driving_input):
+    """Window 2 shares 3 of 4 frames per camera with window 1: those frames' vision-encoder
+    outputs are still in vLLM's cache when window 2 is asked (so vLLM skips encoding them),
+    and window 2's reasoning and K/V still equal the HF reference on fresh inputs."""
+    from alpamayo_ros.core import vllm_adapter
+    from test_frame_cache import next_window
+
+    first = make_driving_input(camera_indices=(0, 1), frames=4, seed=21)
+    second = next_window(first, seed=22)
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS)
+    first_prompt = vllm_pipeline.driving_prompt(first, vllm_pipeline.preprocess(first))
+    vllm_pipeline.backbone.rollout(first_prompt, generator=torch.Generator(), **args)
+    hits = vllm_pipeline.frames.hits
+    prompt = vllm_pipeline.driving_prompt(second, vllm_pipeline.preprocess(second))
+    assert vllm_pipeline.frames.hits - hits == 6
+    shared = set(first_prompt.image_keys) & set(prompt.image_keys)
+    assert len(shared) == 6
+    assert shared <= vllm_adapter.encoder_cache_keys(vllm_pipeline.backbone._llm)
+    ours = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    hf_prompt = hf_pipeline.driving_prompt(second, hf_pipeline.preprocess(second))
+    reference = hf_pipeline.backbone.rollout(hf_prompt, generator=torch.Generator(), **args)
+    assert ours.generated_ids == reference.generated_ids
+    _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])

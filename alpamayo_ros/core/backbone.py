@@ -21,8 +21,8 @@ class PromptInputs:
         merged patch and the 48 history placeholders already replaced by history tokens.
     pixel_values: (num_patches, 3*2*16*16) float, Qwen3-VL patch layout, on any device.
     image_grid_thw: (num_images, 3) int64 (t, h, w) in patches.
-    images: uint8 (num_images, H, W, 3) resized frames, for backends that process images
-        themselves (vLLM); same order as the image blocks in input_ids.
+    image_keys: one name per image, same order as the image blocks in input_ids; equal
+        names mean equal pixels, so a backend may reuse per-image work (vLLM's encoder cache).
     position_ids: (3, T) int64 M-RoPE positions of the prompt.
     rope_delta: next M-RoPE position minus T (negative with images).
     """
@@ -30,7 +30,7 @@ class PromptInputs:
     input_ids: torch.Tensor
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    images: torch.Tensor
+    image_keys: tuple[str, ...]
     position_ids: torch.Tensor
     rope_delta: int
 
@@ -82,6 +82,9 @@ class Backbone(Protocol):
     """A Qwen3-VL backbone with Alpamayo's extended vocabulary."""
 
     name: str
+    #: where the backend wants pixel patches: its compute device, or the host for a backend
+    #: that uploads only the images it has to encode (vLLM)
+    pixel_device: torch.device
 
     def rollout(
         self,

@@ -67,6 +67,10 @@ class HFBackbone:
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
+    @property
+    def pixel_device(self) -> torch.device:
+        return self.device
+
     @torch.inference_mode()
     def rollout(
         self,

@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -70,6 +68,8 @@ class VLLMBackbone:
     """Backbone protocol on a vLLM engine in this process (one engine per instance)."""
 
     name = "vllm"
+    #: vLLM uploads the patches of the images it has to encode; the rest stay on the host
+    pixel_device = torch.device("cpu")
 
     def __init__(self, config: AlpamayoConfig, token_ids: TokenIds, options: EngineOptions = EngineOptions()) -> None:
         # NOTE: set before vLLM reads it: the engine must run in this process, where the
@@ -79,7 +79,6 @@ class VLLMBackbone:
 
         self._adapter = vllm_adapter
         self._ids = token_ids
-        self._image_keys: dict[int, tuple[weakref.ref, str]] = {}  # id(pixel_values) -> (ref, key)
         model_dir = vllm_adapter.materialize_model_dir(
             config.checkpoint_dir,
             {k: v for k, v in config.backbone.raw.items() if not k.startswith("_")},
@@ -244,19 +243,12 @@ class VLLMBackbone:
             raise ValueError("generated_ids: contain <|image_pad|>, which vLLM would take for an image")
         ids = prompt.input_ids.tolist()
         collapsed = [token for i, token in enumerate(ids) if token != pad or i == 0 or ids[i - 1] != pad]
-        pixel_values, grid = prompt.pixel_values, prompt.image_grid_thw
-        ref, key = self._image_keys.get(id(pixel_values), (None, ""))
-        if ref is None or ref() is not pixel_values:
-            # NOTE: one key per patches tensor, not a content hash (that costs a device copy
-            # and a pass over ~70 MB): a rollout and the nav-CFG prefill of the same frames
-            # then share vLLM's vision-encoder cache. Patches must not be edited in place.
-            key = uuid.uuid4().hex
-            self._image_keys = {k: v for k, v in self._image_keys.items() if v[0]() is not None}
-            self._image_keys[id(pixel_values)] = (weakref.ref(pixel_values), key)
-        # NOTE: vLLM batches multimodal inputs in pinned host memory, so GPU patches go back
-        # to the host here (~70 MB for 16 frames, a few ms) and vLLM copies them up again.
-        images = {"image": {"pixel_values": pixel_values.cpu(), "image_grid_thw": grid.cpu()}}
-        keys = {"image": [f"{key}-{i}" for i in range(int(grid.shape[0]))]}
+        # NOTE: the image keys become vLLM's multimodal ids: its vision-encoder cache then
+        # encodes a frame once for all the plans (and the nav-CFG prefill) that show it, and
+        # vLLM never hashes the ~70 MB of patches itself. Patches arrive on the host (see
+        # pixel_device): vLLM batches multimodal inputs there and uploads only what it encodes.
+        images = {"image": {"pixel_values": prompt.pixel_values.cpu(), "image_grid_thw": prompt.image_grid_thw.cpu()}}
+        keys = {"image": list(prompt.image_keys)}
         return [
             {"prompt_token_ids": collapsed + list(row), "multi_modal_data": images, "multi_modal_uuids": keys}
             for row in rows

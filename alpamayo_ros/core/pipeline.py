@@ -27,7 +27,8 @@ from .backbone import Backbone, PromptInputs
 from .checkpoint import load_backbone, load_expert, tensor_files
 from .config import AlpamayoConfig
 from .expert import ActionExpertModel
-from .preprocess import PreprocessedImages, preprocess_frames
+from .frame_cache import FrameCache, frame_key
+from .preprocess import PreprocessedImages
 from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
 from .tokenizer import AlpamayoTokenizer, extract_between
 from .types import DrivingInput, Plan, SamplingSettings
@@ -35,6 +36,8 @@ from .types import DrivingInput, Plan, SamplingSettings
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("hf", "vllm")
+#: Frames kept preprocessed across plans: two windows of 4 cameras x 4 frames.
+DEFAULT_FRAME_CACHE = 32
 
 
 @dataclass
@@ -57,7 +60,9 @@ class Pipeline:
         expert: ActionExpertModel,
         *,
         device: torch.device,
+        frame_cache: int = DEFAULT_FRAME_CACHE,
     ) -> None:
+        """frame_cache: frames kept preprocessed across plans (0: none)."""
         self.config = config
         self.tokenizer = tokenizer
         self.backbone = backbone
@@ -65,6 +70,9 @@ class Pipeline:
         self.device = device
         self.action_space = UnicycleActionSpace(config.action_space)
         self.history_tokenizer = config.history_tokenizer()
+        self.frames = FrameCache(
+            config.vision, compute_device=device, store_device=backbone.pixel_device, capacity=frame_cache
+        )
         # GPU: padded length buckets so one captured CUDA graph (and compile) serves many
         # plans; CPU: exact lengths, eager.
         on_gpu = device.type == "cuda"
@@ -81,11 +89,12 @@ class Pipeline:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
         backend_options: dict[str, Any] | None = None,
+        frame_cache: int = DEFAULT_FRAME_CACHE,
     ) -> Pipeline:
         """Load config, tokenizer, expert and the chosen backbone from a checkpoint directory.
 
         dtype defaults to the checkpoint's model_dtype. backend_options go to the vLLM
-        backend's EngineOptions (the HF backend takes none).
+        backend's EngineOptions (the HF backend takes none). frame_cache: see __init__.
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -110,7 +119,7 @@ class Pipeline:
         logger.info(
             "loaded %s (%s backend, %s, %s) in %.1f s", path, backend, device, dtype, time.perf_counter() - started
         )
-        return cls(config, tokenizer, backbone, expert, device=device)
+        return cls(config, tokenizer, backbone, expert, device=device, frame_cache=frame_cache)
 
     def close(self) -> None:
         """Release the backend (the vLLM engine holds most of the GPU); the pipeline is unusable after."""
@@ -121,10 +130,16 @@ class Pipeline:
     # -- inputs --------------------------------------------------------------------------
 
     def preprocess(self, inputs: DrivingInput) -> PreprocessedImages:
-        """All frames, camera-major then oldest first, as vision-tower inputs on the device."""
+        """All frames, camera-major then oldest first, as vision-tower inputs (frames seen by
+        an earlier plan come from the frame cache)."""
         cameras, frames = inputs.images.shape[:2]
         flat = inputs.images.reshape(cameras * frames, *inputs.images.shape[2:])
-        return preprocess_frames(flat, self.config.vision, self.device)
+        keys = [
+            frame_key(camera, int(stamp), image)
+            for camera, stamps, row in zip(inputs.camera_indices, inputs.frame_stamps_ns, inputs.images)
+            for stamp, image in zip(stamps, row)
+        ]
+        return self.frames.preprocess(flat, keys)
 
     def history_ids(self, inputs: DrivingInput) -> list[int]:
         """The 48 history token ids of the ego history."""

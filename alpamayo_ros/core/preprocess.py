@@ -8,7 +8,9 @@ device (no PIL, no per-image Python loop), so on a GPU the whole step is a few k
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -55,14 +57,15 @@ class PreprocessedImages:
 
     pixel_values: float32 (num_images * grid_h * grid_w, patch_dim), Qwen3-VL patch order.
     image_grid_thw: int64 (num_images, 3), (1, grid_h, grid_w) in patches.
-    resized: uint8 (num_images, H', W', 3), the resized frames (for backends that re-process).
     merge_size: patches merged per side into one LLM token.
+    keys: one name per image; equal keys mean equal pixels, so backends may cache per key
+        (see core.frame_cache).
     """
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    resized: torch.Tensor
     merge_size: int
+    keys: tuple[str, ...]
 
     @property
     def tokens_per_image(self) -> list[int]:
@@ -124,10 +127,12 @@ def preprocess_frames(
     frames: np.ndarray | torch.Tensor,
     geometry: VisionGeometry = VisionGeometry(),
     device: torch.device | str | None = None,
+    keys: Sequence[str] | None = None,
 ) -> PreprocessedImages:
     """Turn uint8 RGB frames (N, H, W, 3), all one size, into vision-tower inputs.
 
-    The work happens on `device` (default: where the frames are).
+    The work happens on `device` (default: where the frames are). keys name the images
+    (default: a fresh unique name each, i.e. nothing is ever shared).
     """
     if isinstance(frames, np.ndarray):
         frames = torch.from_numpy(np.ascontiguousarray(frames))
@@ -136,6 +141,10 @@ def preprocess_frames(
     if device is not None:
         frames = frames.to(device, non_blocking=True)
     n, height, width, _ = frames.shape
+    if keys is None:
+        keys = [uuid.uuid4().hex for _ in range(n)]
+    if len(keys) != n:
+        raise ValueError(f"keys: {len(keys)} keys for {n} frames")
     size = smart_resize(height, width, geometry)
     resized = resize_frames(frames.permute(0, 3, 1, 2).contiguous(), size)
     # (x/255 - mean)/std folded into one affine step, in float32 like the reference
@@ -145,6 +154,6 @@ def preprocess_frames(
     return PreprocessedImages(
         pixel_values=patchify(normalized, geometry),
         image_grid_thw=grid.to(frames.device),
-        resized=resized.permute(0, 2, 3, 1).contiguous(),
         merge_size=geometry.merge_size,
+        keys=tuple(keys),
     )

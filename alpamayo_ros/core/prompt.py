@@ -209,7 +209,7 @@ def build_prompt_inputs(input_ids: Sequence[int], images: PreprocessedImages, *,
         input_ids=ids,
         pixel_values=images.pixel_values,
         image_grid_thw=images.image_grid_thw,
-        images=images.resized,
+        image_keys=images.keys,
         position_ids=position_ids,
         rope_delta=rope_delta,
     )

@@ -694,3 +694,10 @@ def engine_parameters(llm: LLM) -> list[torch.Tensor]:
     """The parameters of the model inside the engine (in-process engines only)."""
     (params,) = llm.llm_engine.apply_model(lambda model: list(model.parameters()))
     return params
+
+
+def encoder_cache_keys(llm: LLM) -> set[str]:
+    """Multimodal ids whose vision-encoder output the engine holds now (in-process engines only):
+    a request showing one of these images skips the vision encoder for it."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return set(scheduler.encoder_cache_manager.cached)

@@ -1,0 +1,111 @@
+"""Preprocessed camera frames, kept across plans so each frame is preprocessed once.
+
+Consecutive plans see overlapping windows (4 frames per camera, one new per camera at a
+10 Hz plan rate), so most of a plan's frames were already resized and patchified for the
+previous plan. Each frame gets a key (camera, capture stamp, content fingerprint); the key
+also names the image to the backend, whose own caches (vLLM's vision-encoder cache) then
+encode a frame once as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .preprocess import PreprocessedImages, VisionGeometry, preprocess_frames
+
+#: Pixel strides of the content fingerprint: ~4 KB of a 1080x1920 frame, hashed in microseconds.
+#: Prime strides, so periodic patterns (test charts, stripes) do not alias.
+_FINGERPRINT_STRIDES = (37, 41)
+
+
+def frame_key(camera: int, stamp_ns: int, image: np.ndarray) -> str:
+    """Identity of one camera frame: its camera, capture time and a sparse content fingerprint.
+
+    The stamp alone would do for live cameras; the fingerprint guards against sources that
+    reuse stamps with new pixels (a paused simulator, hand-built inputs).
+    """
+    sample = np.ascontiguousarray(image[:: _FINGERPRINT_STRIDES[0], :: _FINGERPRINT_STRIDES[1]])
+    digest = hashlib.blake2b(sample.tobytes(), digest_size=8).hexdigest()
+    return f"cam{camera}-{stamp_ns}-{image.shape[0]}x{image.shape[1]}-{digest}"
+
+
+class FrameCache:
+    """Least-recently-used per-frame patches, on the device the backend wants them.
+
+    Frames are preprocessed on `compute_device` (the GPU when there is one) and stored on
+    `store_device` (the backend's pixel_device: the GPU for HF, pinned host memory for vLLM,
+    which copies each image it has to encode to the GPU itself).
+    capacity: frames kept; 0 keeps nothing (every plan preprocesses all its frames).
+    """
+
+    def __init__(
+        self,
+        geometry: VisionGeometry,
+        *,
+        compute_device: torch.device,
+        store_device: torch.device,
+        capacity: int,
+    ) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity: must be >= 0, got {capacity}")
+        self.geometry = geometry
+        self.compute_device = compute_device
+        self.store_device = store_device
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # key -> (patches, grid row)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def preprocess(self, frames: np.ndarray, keys: Sequence[str]) -> PreprocessedImages:
+        """Patches of uint8 frames (N, H, W, 3) named by keys, computing only unseen ones."""
+        if len(keys) != len(frames):
+            raise ValueError(f"keys: {len(keys)} keys for {len(frames)} frames")
+        if len(set(keys)) != len(keys):
+            raise ValueError("keys: the same frame key twice in one request")
+        missing = [i for i, key in enumerate(keys) if key not in self._entries]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if missing:
+            batch = preprocess_frames(frames[missing], self.geometry, self.compute_device)
+            patches = self._to_store(batch.pixel_values)
+            per_image = int(batch.image_grid_thw[0].prod())
+            grid = batch.image_grid_thw.to(self.store_device)
+            for row, index in enumerate(missing):
+                fresh[keys[index]] = (patches[row * per_image : (row + 1) * per_image], grid[row])
+        parts = [fresh[key] if key in fresh else self._entries[key] for key in keys]
+        result = PreprocessedImages(
+            pixel_values=torch.cat([patches for patches, _ in parts]),
+            image_grid_thw=torch.stack([grid for _, grid in parts]),
+            merge_size=self.geometry.merge_size,
+            keys=tuple(keys),
+        )
+        self._remember(keys, fresh)
+        return result
+
+    def _to_store(self, patches: torch.Tensor) -> torch.Tensor:
+        if patches.device == self.store_device:
+            return patches
+        if self.store_device.type == "cpu" and patches.is_cuda:
+            # pinned, so this copy and the backend's later upload run at full bus speed
+            host = torch.empty(patches.shape, dtype=patches.dtype, pin_memory=True)
+            return host.copy_(patches)
+        return patches.to(self.store_device)
+
+    def _remember(self, keys: Sequence[str], fresh: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.capacity == 0:
+            return
+        for key in keys:
+            if key in fresh:
+                self._entries[key] = fresh[key]
+            self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
