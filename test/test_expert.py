@@ -1,13 +1,21 @@
-"""Action expert: checkpoint layout, positions and mask invariants, and exact parity with
-transformers' Qwen3VLTextModel run the way upstream runs its expert (cache + 4D mask)."""
+"""Action expert: checkpoint layout, positions and mask invariants, exact parity with
+transformers' Qwen3VLTextModel run the way upstream runs its expert (cache + 4D mask), and the
+fast path's fused q/k/v weight (one GEMM, upstream's parameters as views of it)."""
 
+import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 
 from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.checkpoint import load_expert
+from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.expert import (
     ActionExpertModel,
     ExpertConfig,
@@ -438,3 +446,92 @@ def test_bad_states_are_named():
     x, t = noisy_action(1, seed=1)
     with pytest.raises(ValueError, match="x:"):
         model.velocity_prepared(x, t, state)
+
+
+# --- fused q/k/v: one GEMM on the fast path, upstream's parameters as views of its weight ---
+
+
+class LinearWeights(TorchFunctionMode):
+    """Records the weight of every F.linear call (observes, replaces nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.weights.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def assert_views_of_fused(attention) -> None:
+    """q/k/v_proj's weights (and biases) lie back to back in the fused tensors' memory."""
+    for kind in ("weight", "bias"):
+        fused = getattr(attention, f"qkv_{kind}")
+        parts = [getattr(p, kind) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+        if parts[0] is None:
+            assert fused is None
+            continue
+        address = fused.data_ptr()
+        for part in parts:
+            assert part.data_ptr() == address and part.is_contiguous()
+            address += part.numel() * part.element_size()
+        assert address == fused.data_ptr() + fused.numel() * fused.element_size()
+
+
+def test_fused_qkv_weight_is_the_loaded_checkpoint(tiny_checkpoint: Path):
+    config = AlpamayoConfig.from_checkpoint(tiny_checkpoint)
+    tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
+    model = load_expert(config, dtype=torch.float32, device="cpu")
+    for i, layer in enumerate(model.expert.layers):
+        attention = layer.self_attn
+        loaded = [tensors[f"expert.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
+        assert torch.equal(attention.qkv_weight, torch.cat(loaded))
+        assert_views_of_fused(attention)
+    assert not any("qkv" in name for name in model.state_dict())
+
+
+@pytest.mark.parametrize("change", ["cast", "deepcopy", "load", "load_assign"])
+def test_qkv_projections_stay_views_that_reach_the_fast_path(change):
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config(attention_bias=True)).eval()
+    weights = {name: tensor + 0.01 for name, tensor in model.state_dict().items()}
+    fused_at = model.expert.layers[0].self_attn.qkv_weight.data_ptr()
+    if change == "cast":
+        model = model.double().float()
+    elif change == "deepcopy":
+        model = copy.deepcopy(model)
+    else:
+        model.load_state_dict(weights, assign=change == "load_assign")
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+        if change == "load":  # copied in place: a captured CUDA graph stays valid
+            assert model.expert.layers[0].self_attn.qkv_weight.data_ptr() == fused_at
+    cache = random_cache(2, 30, seed=1, offsets=[30, 24], deltas=[0, 2])
+    x, t = noisy_action(2, seed=2)
+    with torch.no_grad():
+        for layer in model.expert.layers:
+            assert_views_of_fused(layer.self_attn)
+            layer.self_attn.k_proj.weight.mul_(-1.0)  # in-place edits must reach the fused
+            layer.self_attn.v_proj.bias.add_(0.5)  # tensors the fast path reads
+        fast = model.velocity_prepared(x, t, model.prepare(cache))
+        assert (fast - model.velocity(x, t, cache)).abs().max() < 1e-5
+
+
+def test_fast_path_projects_qkv_with_one_gemm_and_the_reference_with_three():
+    torch.manual_seed(0)
+    model = ActionExpertModel(tiny_config()).eval()
+    cache = random_cache(1, 20, seed=1, offsets=[20], deltas=[0])
+    x, t = noisy_action(1, seed=2)
+    with torch.no_grad():
+        state = model.prepare(cache)
+        with LinearWeights() as fast:
+            model.velocity_prepared(x, t, state)
+        with LinearWeights() as reference:
+            model.velocity(x, t, cache)
+    for layer in model.expert.layers:
+        attention = layer.self_attn
+        separate = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
+        assert sum(w is attention.qkv_weight for w in fast.weights) == 1
+        assert not any(w is p for w in fast.weights for p in separate)
+        assert not any(w is attention.qkv_weight for w in reference.weights)
+        assert all(sum(w is p for w in reference.weights) == 1 for p in separate)
