@@ -34,7 +34,7 @@ def _frames(count: int, seed: int) -> np.ndarray:
 
 
 def test_reused_frames_equal_fresh_preprocessing() -> None:
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=8)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=8)
     frames = _frames(5, seed=0)
     keys = [f"f{i}" for i in range(5)]
     cache.preprocess(frames[:4], keys[:4])
@@ -48,7 +48,7 @@ def test_reused_frames_equal_fresh_preprocessing() -> None:
 
 
 def test_least_recently_used_frames_are_evicted_and_zero_keeps_none() -> None:
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=3)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=3)
     frames = _frames(4, seed=1)
     cache.preprocess(frames[:3], ["a", "b", "c"])
     cache.preprocess(frames[:1], ["a"])  # a is now the most recent
@@ -59,21 +59,30 @@ def test_least_recently_used_frames_are_evicted_and_zero_keeps_none() -> None:
     cache.preprocess(frames[1:2], ["b"])
     assert cache.misses == misses + 1 and len(cache) == 3
 
-    none = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=0)
+    none = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=0)
     none.preprocess(frames[:2], ["a", "b"])
     none.preprocess(frames[:2], ["a", "b"])
     assert (none.hits, none.misses, len(none)) == (0, 4, 0)
 
 
+def test_patches_are_stored_in_the_backends_dtype() -> None:
+    frames = _frames(2, seed=4)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.bfloat16, capacity=2)
+    stored = cache.preprocess(frames, ["a", "b"])
+    assert stored.pixel_values.dtype == torch.bfloat16
+    # the cast the vision tower would make first: nothing else changes
+    assert torch.equal(stored.pixel_values, preprocess_frames(frames, VisionGeometry()).pixel_values.bfloat16())
+
+
 def test_bad_keys_are_rejected_by_name() -> None:
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=4)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=4)
     frames = _frames(2, seed=2)
     with pytest.raises(ValueError, match="keys: 1 keys for 2 frames"):
         cache.preprocess(frames, ["a"])
     with pytest.raises(ValueError, match="keys: the same frame key twice"):
         cache.preprocess(frames, ["a", "a"])
     with pytest.raises(ValueError, match="capacity"):
-        FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=-1)
+        FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=-1)
     assert len(cache) == 0  # nothing half-stored
 
 

@@ -22,7 +22,7 @@ from alpamayo_ros.core.types import SamplingSettings
 
 KV_TOL = 1e-4  # fp32 K/V and trajectories (m)
 MAX_TOKENS = 24
-ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1)
+ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1.5)  # a float, as the node passes it
 SCENES = [  # (camera indices, frames per camera, route text)
     ((1,), 2, None),
     ((0, 1), 2, "Turn right in 30m"),

@@ -85,6 +85,8 @@ class Backbone(Protocol):
     #: where the backend wants pixel patches: its compute device, or the host for a backend
     #: that uploads only the images it has to encode (vLLM)
     pixel_device: torch.device
+    #: the vision tower's dtype, to which the backend casts patches first
+    pixel_dtype: torch.dtype
 
     def rollout(
         self,

@@ -71,6 +71,10 @@ class HFBackbone:
     def pixel_device(self) -> torch.device:
         return self.device
 
+    @property
+    def pixel_dtype(self) -> torch.dtype:
+        return self.model.model.visual.dtype
+
     @torch.inference_mode()
     def rollout(
         self,

@@ -62,6 +62,15 @@ class EngineOptions:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib: must be > 0, got {self.kv_cache_gib}")
+        self.torch_dtype  # noqa: B018 (validates the name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """dtype as a torch dtype (vLLM also accepts the aliases half and float)."""
+        dtype = getattr(torch, {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating torch dtype name, got {self.dtype!r}")
+        return dtype
 
 
 class VLLMBackbone:
@@ -88,9 +97,11 @@ class VLLMBackbone:
             config.vision.max_pixels,
             options.cache_dir,
         )
+        self.model_dir = model_dir  # the small HF-style folder the engine loads from
         self._sink = vllm_adapter.open_sink()
         self._llm = vllm_adapter.create_engine(model_dir, self._sink, options)
         self.options = options
+        self.pixel_dtype = options.torch_dtype
 
     def close(self) -> None:
         """Shut the engine down (the instance is unusable afterwards)."""

@@ -35,11 +35,13 @@ def frame_key(camera: int, stamp_ns: int, image: np.ndarray) -> str:
 
 
 class FrameCache:
-    """Least-recently-used per-frame patches, on the device the backend wants them.
+    """Least-recently-used per-frame patches, where and how the backend wants them.
 
     Frames are preprocessed on `compute_device` (the GPU when there is one) and stored on
-    `store_device` (the backend's pixel_device: the GPU for HF, pinned host memory for vLLM,
-    which copies each image it has to encode to the GPU itself).
+    `store_device` in `store_dtype` (the backend's pixel_device / pixel_dtype: the GPU for
+    HF; host memory for vLLM, which uploads only the images it has to encode). Storing in the
+    vision tower's dtype changes nothing numerically (both backends cast patches to it first)
+    and halves every copy in bf16.
     capacity: frames kept; 0 keeps nothing (every plan preprocesses all its frames).
     """
 
@@ -49,6 +51,7 @@ class FrameCache:
         *,
         compute_device: torch.device,
         store_device: torch.device,
+        store_dtype: torch.dtype,
         capacity: int,
     ) -> None:
         if capacity < 0:
@@ -56,6 +59,7 @@ class FrameCache:
         self.geometry = geometry
         self.compute_device = compute_device
         self.store_device = store_device
+        self.store_dtype = store_dtype
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
@@ -75,15 +79,15 @@ class FrameCache:
         self.misses += len(missing)
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if missing:
-            batch = preprocess_frames(frames[missing], self.geometry, self.compute_device)
-            patches = self._to_store(batch.pixel_values)
+            batch = preprocess_frames(self._upload(frames, missing), self.geometry)
+            patches = batch.pixel_values.to(self.store_device, self.store_dtype)
             per_image = int(batch.image_grid_thw[0].prod())
             grid = batch.image_grid_thw.to(self.store_device)
             for row, index in enumerate(missing):
                 fresh[keys[index]] = (patches[row * per_image : (row + 1) * per_image], grid[row])
         parts = [fresh[key] if key in fresh else self._entries[key] for key in keys]
         result = PreprocessedImages(
-            pixel_values=torch.cat([patches for patches, _ in parts]),
+            pixel_values=self._concat([patches for patches, _ in parts]),
             image_grid_thw=torch.stack([grid for _, grid in parts]),
             merge_size=self.geometry.merge_size,
             keys=tuple(keys),
@@ -91,14 +95,23 @@ class FrameCache:
         self._remember(keys, fresh)
         return result
 
-    def _to_store(self, patches: torch.Tensor) -> torch.Tensor:
-        if patches.device == self.store_device:
-            return patches
-        if self.store_device.type == "cpu" and patches.is_cuda:
-            # pinned, so this copy and the backend's later upload run at full bus speed
-            host = torch.empty(patches.shape, dtype=patches.dtype, pin_memory=True)
-            return host.copy_(patches)
-        return patches.to(self.store_device)
+    def _concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """All patches of a request in one tensor. Host-side next to a GPU, in pinned memory:
+        its allocator reuses blocks (no page faults on tens of MB per plan) and the backend's
+        upload of the images it encodes runs at full bus speed."""
+        if not (self.store_device.type == "cpu" and self.compute_device.type == "cuda"):
+            return torch.cat(parts)
+        out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+        return torch.cat(parts, out=out)
+
+    def _upload(self, frames: np.ndarray, indices: list[int]) -> torch.Tensor:
+        """frames[indices] as one uint8 batch on the compute device, without a host-side gather."""
+        if len(indices) == len(frames):
+            return torch.from_numpy(np.ascontiguousarray(frames)).to(self.compute_device)
+        batch = torch.empty((len(indices), *frames.shape[1:]), dtype=torch.uint8, device=self.compute_device)
+        for row, index in enumerate(indices):
+            batch[row].copy_(torch.from_numpy(np.ascontiguousarray(frames[index])))
+        return batch
 
     def _remember(self, keys: Sequence[str], fresh: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.capacity == 0:

@@ -71,7 +71,11 @@ class Pipeline:
         self.action_space = UnicycleActionSpace(config.action_space)
         self.history_tokenizer = config.history_tokenizer()
         self.frames = FrameCache(
-            config.vision, compute_device=device, store_device=backbone.pixel_device, capacity=frame_cache
+            config.vision,
+            compute_device=device,
+            store_device=backbone.pixel_device,
+            store_dtype=backbone.pixel_dtype,
+            capacity=frame_cache,
         )
         # GPU: padded length buckets so one captured CUDA graph (and compile) serves many
         # plans; CPU: exact lengths, eager.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -490,15 +491,21 @@ class MaskSpec:
 class TokenMask(LogitsProcessor):
     """Sets the logits a request's MaskSpec names to -inf, before temperature and top-p.
 
-    Upstream masks in a logits processor too. One indexed fill per distinct range and step
-    (vLLM's allowed_token_ids would cost a Python pass over the vocabulary per request).
+    Upstream masks in a logits processor too. One fill per distinct range and step (vLLM's
+    allowed_token_ids would cost a Python pass over the vocabulary per request). Runs on the
+    engine's critical path every step, so it never waits for the GPU: index tensors are
+    uploaded only when the rows or ids change, from pinned memory without a stream sync (a
+    plain upload synchronises the stream and stalled every decode step by ~1.4 ms on an
+    H200, bench/RESULTS.md), and a range covering the whole batch is a plain slice fill.
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self._device = device
+        self._pin = is_pin_memory
         self._specs: dict[int, tuple[MaskSpec, list[int]]] = {}  # batch row -> (spec, its output ids)
-        self._ranges: list[tuple[torch.Tensor, int, int]] = []  # (rows, start, end)
-        self._early: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) to fill now
+        self._ranges: list[tuple[list[int], torch.Tensor, int, int]] = []  # (rows, rows on device, start, end)
+        self._early_pairs: tuple[tuple[int, int], ...] = ()  # (row, id) blocked now
+        self._early: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, on the device
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -517,25 +524,32 @@ class TokenMask(LogitsProcessor):
             for row, (spec, _) in self._specs.items():
                 by_range.setdefault((spec.start, spec.end), []).append(row)
             self._ranges = [
-                (torch.tensor(rows, dtype=torch.long, device=self._device), start, end)
-                for (start, end), rows in by_range.items()
-                if end > start
+                (sorted(rows), self._index(sorted(rows)), start, end) for (start, end), rows in by_range.items() if end > start
             ]
-        rows, ids = [], []
-        for row, (spec, output_ids) in self._specs.items():
-            if len(output_ids) < spec.min_tokens:
-                rows += [row] * len(spec.early_ids)
-                ids += spec.early_ids
-        self._early = None
-        if rows:
-            self._early = (
-                torch.tensor(rows, dtype=torch.long, device=self._device),
-                torch.tensor(ids, dtype=torch.long, device=self._device),
+        pairs = tuple(
+            sorted(
+                (row, token)
+                for row, (spec, output_ids) in self._specs.items()
+                if len(output_ids) < spec.min_tokens
+                for token in spec.early_ids
             )
+        )
+        if pairs != self._early_pairs:
+            self._early_pairs = pairs
+            self._early = (self._index([r for r, _ in pairs]), self._index([t for _, t in pairs])) if pairs else None
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self._pin:
+            host = host.pin_memory()
+        return host.to(self._device, non_blocking=True)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for rows, start, end in self._ranges:
-            logits[rows, start:end] = float("-inf")
+        for rows, device_rows, start, end in self._ranges:
+            if len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1:  # every row: no gather
+                logits[:, start:end] = float("-inf")
+            else:
+                logits[device_rows, start:end] = float("-inf")
         if self._early is not None:
             logits[self._early] = float("-inf")
         return logits
@@ -561,8 +575,8 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
     extra: dict[str, Any] = {}
     if options.kv_cache_gib is not None:
         if current_platform.is_cpu():
-            # NOTE: the CPU platform reads its cache size only from this variable.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)
+            # NOTE: the CPU platform reads its cache size only from this variable, in whole GiB.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(options.kv_cache_gib))
         else:
             extra["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
     return LLM(
