@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="vLLM KV cache on the GPU (the node's default)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM KV cache on the GPU (the node's default)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

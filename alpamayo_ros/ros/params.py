@@ -86,9 +86,9 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ),
     ParamSpec(
         "vllm.kv_cache_gib",
-        4.0,
-        "KV cache the vLLM engine allocates (GiB; ~27k tokens at full size); 0 = size it from "
-        "gpu_memory_utilization instead.",
+        2.0,
+        "KV cache the vLLM engine allocates (GiB; ~14k tokens at full size: an 8k context, or many "
+        "samples sharing one prompt); 0 = size it from gpu_memory_utilization instead.",
         minimum=0.0,
         maximum=512.0,
     ),
