@@ -1,5 +1,5 @@
 """Where the vLLM backend's decode time goes: per-token decode of the W16 prompt with and
-without each thing our backend adds to a stock engine (the <i*> mask, the K/V capture).
+without each thing our backend adds to a stock engine (the <i*> logits mask, the K/V capture).
 A diagnostic for issue 7; figures go to bench/RESULTS.md. (A second, stock engine in the same
 process fails at CUDA-graph capture in vLLM 0.26, so "neither" stands in for stock vLLM.)
 
@@ -64,8 +64,8 @@ def main() -> int:
     prompt = pipeline.driving_prompt(inputs, pipeline.preprocess(inputs))
     (request,) = backbone._requests(prompt, [()])
     ids = pipeline.tokenizer.ids
-    mask = adapter.MaskSpec(pipeline.config.vocab_size, ids.traj_start, ids.traj_start + ids.traj_vocab_size,
-                            blocked_ids=(ids.traj_future_start, ids.im_end))
+    mask = adapter.MaskSpec(ids.traj_start, ids.traj_start + ids.traj_vocab_size, min_tokens=TOKENS,
+                            early_ids=(ids.traj_future_start, ids.im_end))
 
     def engine_run(llm, sink, with_mask: bool, capture: bool):
         def run() -> dict[str, float]:

