@@ -3,7 +3,13 @@ without each thing our backend adds to a stock engine (the <i*> logits mask, the
 A diagnostic for issue 7; figures go to bench/RESULTS.md. (A second, stock engine in the same
 process fails at CUDA-graph capture in vLLM 0.26, so "neither" stands in for stock vLLM.)
 
+--mask-in-model builds the engine with EngineOptions.mask_in_model instead: no TokenMask is
+registered (the registration alone makes vLLM wait for each step's tokens) and the variants'
+mask is filled in by the model's compute_logits. It is a separate run for the same reason;
+its "no mask" variants are then an engine without any custom logits processor.
+
     python bench/decode_probe.py --full-size-dir /tmp/ckpt --json $OUT/decode_probe.json
+    python bench/decode_probe.py --full-size-dir /tmp/ckpt --mask-in-model --json $OUT/decode_probe_in_model.json
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint on the CPU (checks the script only)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--mask-in-model", action="store_true", help="mask in the model, not with TokenMask")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.smoke:
@@ -57,6 +64,7 @@ def main() -> int:
             write_checkpoint(checkpoint, full_size=True, weights=True, dtype=torch.bfloat16, device="cuda")
         device, dtype, options = "cuda", "bfloat16", {"gpu_memory_utilization": 0.3, "kv_cache_gib": 2.0}
         workload = WORKLOADS["W16"]
+    options["mask_in_model"] = args.mask_in_model
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=device, dtype=dtype, backend_options=options)
     backbone = pipeline.backbone
     adapter = backbone._adapter
@@ -67,21 +75,26 @@ def main() -> int:
     mask = adapter.MaskSpec(ids.traj_start, ids.traj_start + ids.traj_vocab_size, min_tokens=TOKENS,
                             early_ids=(ids.traj_future_start, ids.im_end))
 
+    # min_tokens = max_tokens: fixed length, which the in-model mask serves too
+    request_mask, model_mask = (None, mask) if args.mask_in_model else (mask, None)
+
     def engine_run(llm, sink, with_mask: bool, capture: bool):
         def run() -> dict[str, float]:
             timings: dict[str, float] = {}
             params = adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=TOKENS, seed=0,
-                                             mask=mask if with_mask else None)
+                                             mask=request_mask if with_mask else None)
             params.ignore_eos = True
-            adapter.run_requests(llm, sink, [(request, params)], stop_after=None, capture=capture, timings=timings)
+            adapter.run_requests(llm, sink, [(request, params)], stop_after=None, capture=capture, timings=timings,
+                                 model_mask=model_mask if with_mask else None)
             return timings
         return run
 
     results: dict[str, dict[str, float]] = {}
     llm, sink = backbone._llm, backbone._sink
+    kind = "in-model mask" if args.mask_in_model else "mask"
     for name, with_mask, capture in [
-        ("ours: mask + K/V capture", True, True),
-        ("mask, no capture", True, False),
+        (f"ours: {kind} + K/V capture", True, True),
+        (f"{kind}, no capture", True, False),
         ("capture, no mask", False, True),
         ("neither (connector still configured)", False, False),
     ]:

@@ -8,6 +8,7 @@ copy of the row of a token greedy decoding emits early (greedy then stops on it)
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from pathlib import Path
@@ -59,12 +60,29 @@ def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, 
     return directory
 
 
+def _vllm(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, **options: object) -> Pipeline:
+    cache_dir = tmp_path_factory.mktemp("vllm_model_dir")
+    return Pipeline.from_checkpoint(
+        checkpoint, backend="vllm", dtype="float32", backend_options={**ENGINE, "cache_dir": cache_dir, **options}
+    )
+
+
 @pytest.fixture(scope="module")
 def vllm_pipeline(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
-    cache_dir = tmp_path_factory.mktemp("vllm_model_dir")
-    pipeline = Pipeline.from_checkpoint(
-        checkpoint, backend="vllm", dtype="float32", backend_options={**ENGINE, "cache_dir": cache_dir}
-    )
+    pipeline = _vllm(checkpoint, tmp_path_factory)
+    yield pipeline
+    pipeline.backbone.close()
+
+
+@pytest.fixture(scope="module")
+def masked_pipeline(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, vllm_pipeline: Pipeline) -> Pipeline:
+    """A second engine, masking in the model (EngineOptions.mask_in_model).
+
+    vLLM keeps one worker-side KV connector per process, so vllm_pipeline's engine is shut
+    down first: the tests using it come before the ones using this in this file.
+    """
+    vllm_pipeline.backbone.close()
+    pipeline = _vllm(checkpoint, tmp_path_factory, mask_in_model=True)
     yield pipeline
     pipeline.backbone.close()
 
@@ -296,3 +314,84 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
     reference = hf_pipeline.backbone.rollout(hf_prompt, generator=torch.Generator(), **args)
     assert ours.generated_ids == reference.generated_ids
     _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
+
+
+# -- EngineOptions.mask_in_model: the mask inside the model's compute_logits ---------------
+
+
+def test_mask_in_model_replaces_token_mask(vllm_pipeline, make_driving_input, request):
+    """Sampled rows (temperature 1) never hold an <i*> token and equal TokenMask's rows for
+    the same seeds; no logits processor is registered (any custom one costs vLLM's async
+    overlap). First of these tests: it samples with vllm_pipeline before masked_pipeline
+    shuts that engine down."""
+    from alpamayo_ros.core import vllm_adapter
+
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, "Turn right in 30m")
+    args = dict(num_samples=3, temperature=1.0, top_p=1.0, max_new_tokens=12)
+    token_mask = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
+    assert "TokenMask" in vllm_adapter.logits_processor_names(vllm_pipeline.backbone._llm)
+
+    masked = request.getfixturevalue("masked_pipeline")
+    assert "TokenMask" not in vllm_adapter.logits_processor_names(masked.backbone._llm)
+    ours = masked.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
+    ids = masked.tokenizer.ids
+    traj = range(ids.traj_start, ids.traj_start + ids.traj_vocab_size)
+    assert len({tuple(row) for row in ours.generated_ids}) > 1
+    assert not any(token in traj for row in ours.generated_ids for token in row)
+    assert ours.generated_ids == token_mask.generated_ids
+
+
+@pytest.mark.parametrize("cameras,frames,route", SCENES[::3])
+def test_mask_in_model_greedy_reasoning_and_kv_match_hf(
+    masked_pipeline, hf_pipeline, make_driving_input, cameras, frames, route
+):
+    _, prompt = _prompt(masked_pipeline, make_driving_input, cameras, frames, route)
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS)
+    ours = masked_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    assert ours.generated_ids == reference.generated_ids
+    assert ours.cache.offsets.tolist() == reference.cache.offsets.tolist()
+    _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
+
+
+def test_mask_in_model_fixed_length_matches_hf(masked_pipeline, hf_pipeline, make_driving_input):
+    """min = max: the stop and end ids stay hidden for the whole row, as in the HF backend."""
+    _, prompt = _prompt(masked_pipeline, make_driving_input, (1,), 2, None)
+    ids = masked_pipeline.tokenizer.ids
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+    ours = masked_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    assert ours.generated_ids == reference.generated_ids
+    assert len(ours.generated_ids[0]) == MAX_TOKENS
+    assert not {ids.traj_future_start, ids.im_end} & set(ours.generated_ids[0])
+    _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
+
+
+def test_mask_in_model_refuses_a_partial_min_new_tokens(masked_pipeline, make_driving_input):
+    _, prompt = _prompt(masked_pipeline, make_driving_input, (1,), 2, None)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        masked_pipeline.backbone.rollout(
+            prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=8, min_new_tokens=4,
+            generator=torch.Generator(),
+        )  # fmt: skip
+
+
+def test_mask_in_model_is_cleared_after_each_rollout(masked_pipeline, hf_pipeline, make_driving_input):
+    """The mask lives for one run_requests call, also one that raised: VQA afterwards is
+    unmasked (an <i*> token wins on this prompt, see test_generate_is_unmasked_and_matches_hf)."""
+    from alpamayo_ros.core import vllm_adapter
+
+    llm = masked_pipeline.backbone._llm
+    _, prompt = _prompt(masked_pipeline, make_driving_input, (1,), 2, None)
+    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=6)
+    masked_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    assert vllm_adapter.engine_token_mask(llm) is None
+    ours = masked_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
+    assert ours == hf_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
+    ids = masked_pipeline.tokenizer.ids
+    assert any(ids.traj_start <= token < ids.traj_start + ids.traj_vocab_size for token in ours[0])
+
+    bad = dataclasses.replace(prompt, input_ids=torch.cat([prompt.input_ids, torch.tensor([10**7])]))
+    with pytest.raises(Exception, match="out of vocabulary"):  # vLLM refuses it in add_request
+        masked_pipeline.backbone.rollout(bad, generator=torch.Generator(), **args)
+    assert vllm_adapter.engine_token_mask(llm) is None

