@@ -12,7 +12,6 @@ import fcntl
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.eval.processes import start_console_script, stop_process  # noqa: F401 - the tests' child processes
 from alpamayo_ros.ros.params import write_params_file  # noqa: F401 - the tests' params files
 
 VENV_BIN = Path(sys.executable).parent
@@ -76,41 +76,12 @@ def ros_env(domain_id: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_console_script(
-    name: str, *, env: dict[str, str], log_path: Path, params_file: Path | None = None, ros_args: Iterable[str] = ()
-) -> subprocess.Popen:
-    """Start a venv console script with ROS arguments; stdout+stderr go to log_path."""
-    command = [str(VENV_BIN / name), "--ros-args"]
-    if params_file is not None:
-        command += ["--params-file", str(params_file)]
-    command += list(ros_args)
-    log = open(log_path, "wb")  # noqa: SIM115 - closed when the process is stopped
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    process.log_file = log  # type: ignore[attr-defined]
-    return process
-
-
 def start_python(code: str, *, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """Run a Python snippet in the venv interpreter as a separate process."""
     log = open(log_path, "wb")  # noqa: SIM115
     process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=subprocess.STDOUT)
     process.log_file = log  # type: ignore[attr-defined]
     return process
-
-
-def stop_process(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
-    """SIGINT, wait, and return the exit code (escalating to SIGKILL only on a hang)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-    log = getattr(process, "log_file", None)
-    if log is not None:
-        log.close()
-    return process.returncode
 
 
 def diag_values(msg: Any) -> dict[str, str]:

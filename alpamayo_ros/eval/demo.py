@@ -17,7 +17,6 @@ import logging
 import math
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
 from alpamayo_ros.eval.bags import BagWriter
 from alpamayo_ros.eval.evaluate import RecordedPlans, drive_settings, evaluate_bag, load_pipeline, plan_differences
 from alpamayo_ros.eval.metrics import summarize
+from alpamayo_ros.eval.processes import start_console_script, stop_process
 from alpamayo_ros.eval.record import Recorder
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, Pose2D, Renderer, Road, Vehicle, default_rig
@@ -287,28 +287,6 @@ def _jpeg(rgb: np.ndarray) -> bytes:
     return data.tobytes()
 
 
-def _start_node(params_file: Path, log_path: Path) -> subprocess.Popen:
-    """The drive node's console script as a separate process (stdout+stderr to log_path)."""
-    script = Path(sys.executable).with_name(NODE)
-    command = [str(script) if script.exists() else shutil.which(NODE) or NODE, "--ros-args", "--params-file", str(params_file)]
-    log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop_node
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    process.log_file = log  # type: ignore[attr-defined]
-    return process
-
-
-def _stop_node(process: subprocess.Popen) -> int:
-    if process.poll() is None:
-        process.send_signal(2)  # SIGINT: a clean DDS shutdown
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-    process.log_file.close()  # type: ignore[attr-defined]
-    return process.returncode
-
-
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Drive, record, evaluate; returns the report document (also in opts.out/report.json)."""
     out = opts.out
@@ -329,7 +307,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     bag = out / "session"
     started = time.monotonic()
     rclpy.init()
-    node_process = _start_node(params_file, out / "node.log")
+    node_process = start_console_script(NODE, log_path=out / "node.log", params_file=params_file)
     scene = None
     try:
         with BagWriter(bag, storage="mcap") as writer:
@@ -342,7 +320,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             scene.spin(0.5)  # let the last outputs arrive before the recording closes
             drive = scene.summary(started)
     finally:
-        code = _stop_node(node_process)
+        code = stop_process(node_process, timeout_s=20.0)
         if scene is not None:
             scene.close()
         rclpy.try_shutdown()
