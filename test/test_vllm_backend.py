@@ -134,6 +134,13 @@ def test_vllm_pipeline_holds_backbone_weights_once(vllm_pipeline: Pipeline, hf_p
     assert not strays, f"{len(strays)} backbone-sized tensors outside vLLM: {[tuple(t.shape) for t in strays]}"
 
 
+def test_a_second_engine_in_the_process_is_refused_by_name(vllm_pipeline, checkpoint, tmp_path_factory) -> None:
+    """vLLM's K/V connector is process-wide: a second engine would fail obscurely at its first rollout."""
+    with pytest.raises(RuntimeError, match="another vLLM pipeline in this process still holds its engine"):
+        _vllm(checkpoint, tmp_path_factory)
+    assert vllm_pipeline.backbone._llm is not None  # the open one is untouched
+
+
 @pytest.mark.parametrize("cameras,frames,route", SCENES)
 def test_greedy_reasoning_and_kv_match_hf(vllm_pipeline, hf_pipeline, make_driving_input, cameras, frames, route):
     _, prompt = _prompt(vllm_pipeline, make_driving_input, cameras, frames, route)

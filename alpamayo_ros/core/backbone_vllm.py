@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -78,14 +79,28 @@ class EngineOptions:
         return dtype
 
 
+#: The instance whose engine is open in this process, if any (see VLLMBackbone.__init__).
+_open_backbone: weakref.ref[VLLMBackbone] | None = None
+
+
 class VLLMBackbone:
-    """Backbone protocol on a vLLM engine in this process (one engine per instance)."""
+    """Backbone protocol on a vLLM engine in this process (one engine per instance, one open
+    instance per process)."""
 
     name = "vllm"
     #: vLLM uploads the patches of the images it has to encode; the rest stay on the host
     pixel_device = torch.device("cpu")
 
     def __init__(self, config: AlpamayoConfig, token_ids: TokenIds, options: EngineOptions = EngineOptions()) -> None:
+        global _open_backbone
+        other = _open_backbone() if _open_backbone is not None else None
+        if other is not None and other._llm is not None:
+            # NOTE: vLLM keeps the worker-side KV connector in one process-wide slot, set by the
+            # first engine: a second engine would never register its caches for the capture.
+            raise RuntimeError(
+                "vllm backend: another vLLM pipeline in this process still holds its engine; close() it first "
+                "(one engine per process: the K/V capture connector is process-wide)"
+            )
         # NOTE: set before vLLM reads it: the engine must run in this process, where the
         # K/V capture can read its cache tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -105,6 +120,7 @@ class VLLMBackbone:
         self.model_dir = model_dir  # the small HF-style folder the engine loads from
         self._sink = vllm_adapter.open_sink()
         self._llm = vllm_adapter.create_engine(model_dir, self._sink, options)
+        _open_backbone = weakref.ref(self)
         self.options = options
         self.pixel_dtype = options.torch_dtype
 
