@@ -3,8 +3,9 @@
 bench_pipeline.py times `Pipeline.plan()` alone; this harness shows what the ROS node adds on top.
 Three processes, all on wall-clock time (no sim time; one host, so one clock):
   * the drive node, started from its console script with a params file (as the tests and demo do);
-  * a publisher: the test suite's SensorRig (10 Hz cameras, 50 Hz odometry) sending one pre-built
-    frame per camera per tick (rendered by the demo's scene code), all cameras with the same stamp;
+  * a publisher: the tests' SensorRig (alpamayo_ros.ros.testing; 10 Hz cameras, 50 Hz odometry)
+    sending one pre-built frame per camera per tick (rendered by the demo's scene code), all
+    cameras with the same stamp;
   * this process, which listens to the node's Path and StageTimings (`~/output/timings`).
 
 Per plan, t0 is the stamp of the newest camera messages the node planned from (the Path's stamp):
@@ -50,13 +51,12 @@ import cv2
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH_DIR), str(ROOT / "test")]  # bench_pipeline; ros_helpers (the suite's ROS process helpers)
+sys.path.insert(0, str(BENCH_DIR))  # bench_pipeline
 
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from nav_msgs.msg import Path as PathMsg  # noqa: E402
-from ros_helpers import (  # noqa: E402
+from alpamayo_ros.ros.testing import (  # noqa: E402
     CameraFeed,
     Collector,
     RosSide,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ros_helpers import ros_env, unique_domain_id
+from alpamayo_ros.ros.testing import ros_env, unique_domain_id
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ros_helpers import VENV_BIN, ros_env, unique_domain_id
+from alpamayo_ros.ros.testing import VENV_BIN, ros_env, unique_domain_id
 
 from alpamayo_ros.eval.bags import bag_topics
 from alpamayo_ros.eval.scene import ASPHALT, SKY, Renderer, Road, Vehicle, default_rig

@@ -12,7 +12,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Path as PathMsg
 from rclpy.parameter import Parameter
 from rclpy.parameter_client import AsyncParameterClient
-from ros_helpers import (
+from alpamayo_ros.ros.testing import (
     CameraFeed,
     RosSide,
     SensorRig,

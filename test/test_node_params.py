@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from ros_helpers import (
+from alpamayo_ros.ros.testing import (
     RosSide,
     ros_env,
     start_console_script,

@@ -1,4 +1,4 @@
-"""Helpers for process-level ROS tests: isolated domains, real processes, topic probes.
+"""Process-level ROS tests and benchmarks: isolated domains, real processes, topic probes, a sensor rig.
 
 Each test module gets its own ROS_DOMAIN_ID so parallel runs do not see each other. Nodes
 under test run as separate processes started from their console scripts with
