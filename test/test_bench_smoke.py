@@ -24,5 +24,7 @@ def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
     backbone_parts = sum(stages[f"backbone.{part}"]["p50"] for part in ("prefill", "decode", "kv_handoff"))
     assert backbone_parts <= stages["backbone"]["p50"] * 1.01  # sub-stages of the backbone stage
     assert report["backends"]["hf"]["generated_tokens"] == [8]  # forced exact reasoning length
+    # streamed windows: plan 1 preprocesses 2 cameras x 4 frames, plan 2 only the 2 new frames
+    assert (report["backends"]["hf"]["frames_reused"], report["backends"]["hf"]["frames_preprocessed"]) == (6, 10)
     assert report["roofline_floor_ms"]["total"] > 0
     assert "| hf | total |" in result.stdout
