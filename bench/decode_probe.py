@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ logger = logging.getLogger("decode_probe")
 TOKENS = 40
 
 
-def measure(run, repeats: int) -> dict[str, float]:
+def measure(run: Callable[[], dict[str, float]], repeats: int) -> dict[str, float]:
     """p50 of frontend/prefill/decode ms and decode ms per token over repeats (after one warm-up)."""
     samples: dict[str, list[float]] = {}
     for index in range(repeats + 1):
@@ -45,7 +46,7 @@ def measure(run, repeats: int) -> dict[str, float]:
     return result
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full-size-dir", type=Path, help="full-size random checkpoint (written if absent)")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint on the CPU (checks the script only)")
@@ -78,12 +79,11 @@ def main() -> int:
     # min_tokens = max_tokens: fixed length, which the in-model mask serves too
     request_mask, model_mask = (None, mask) if args.mask_in_model else (mask, None)
 
-    def engine_run(llm, sink, with_mask: bool, capture: bool):
+    def engine_run(llm: Any, sink: Any, with_mask: bool, capture: bool) -> Callable[[], dict[str, float]]:
         def run() -> dict[str, float]:
             timings: dict[str, float] = {}
             params = adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=TOKENS, seed=0,
                                              mask=request_mask if with_mask else None)
-            params.ignore_eos = True
             adapter.run_requests(llm, sink, [(request, params)], stop_after=None, capture=capture, timings=timings,
                                  model_mask=model_mask if with_mask else None)
             return timings

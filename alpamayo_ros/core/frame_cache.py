@@ -79,12 +79,12 @@ class FrameCache:
         self.misses += len(missing)
         fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if missing:
-            batch = preprocess_frames(self._upload(frames, missing), self.geometry)
+            batch = preprocess_frames(self._upload(frames, missing), self.geometry, keys=[keys[i] for i in missing])
             patches = batch.pixel_values.to(self.store_device, self.store_dtype)
             per_image = int(batch.image_grid_thw[0].prod())
             grid = batch.image_grid_thw.to(self.store_device)
-            for row, index in enumerate(missing):
-                fresh[keys[index]] = (patches[row * per_image : (row + 1) * per_image], grid[row])
+            for row, key in enumerate(batch.keys):
+                fresh[key] = (patches[row * per_image : (row + 1) * per_image], grid[row])
         parts = [fresh[key] if key in fresh else self._entries[key] for key in keys]
         result = PreprocessedImages(
             pixel_values=self._concat([patches for patches, _ in parts]),

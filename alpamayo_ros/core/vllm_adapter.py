@@ -554,10 +554,10 @@ class TokenMask(LogitsProcessor):
 
         if process_dict_updates(self._specs, batch_update, entry):
             by_range: dict[tuple[int, int], list[int]] = {}
-            for row, (spec, _) in self._specs.items():
+            for row, (spec, _) in sorted(self._specs.items()):
                 by_range.setdefault((spec.start, spec.end), []).append(row)
             self._ranges = [
-                (sorted(rows), self._index(sorted(rows)), start, end) for (start, end), rows in by_range.items() if end > start
+                (rows, self._index(rows), start, end) for (start, end), rows in by_range.items() if end > start
             ]
         pairs = tuple(
             sorted(
