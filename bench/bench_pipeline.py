@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM KV cache on the GPU (the node's default)")
-    parser.add_argument("--mask-in-model", action="store_true", help="vLLM: the <i*> mask in the model, not a logits processor")
+    parser.add_argument("--token-mask", action="store_true",
+                        help="vLLM: the <i*> mask as the TokenMask logits processor, not in the model (the default)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -231,10 +232,10 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
                 "gpu_memory_utilization": args.gpu_memory_utilization,
                 "kv_cache_gib": args.kv_cache_gib,
                 "quantization": workload.quantization,
-                "mask_in_model": args.mask_in_model,
+                "mask_in_model": not args.token_mask,
             }
             if not args.device.startswith("cuda"):
-                options = {"enforce_eager": True, "kv_cache_gib": 1, "mask_in_model": args.mask_in_model}
+                options = {"enforce_eager": True, "kv_cache_gib": 1, "mask_in_model": not args.token_mask}
         start = time.perf_counter()
         pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype, backend_options=options)
         load_s = time.perf_counter() - start

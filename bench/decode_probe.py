@@ -3,13 +3,14 @@ without each thing our backend adds to a stock engine (the <i*> logits mask, the
 A diagnostic for issue 7; figures go to bench/RESULTS.md. (A second, stock engine in the same
 process fails at CUDA-graph capture in vLLM 0.26, so "neither" stands in for stock vLLM.)
 
---mask-in-model builds the engine with EngineOptions.mask_in_model instead: no TokenMask is
-registered (the registration alone makes vLLM wait for each step's tokens) and the variants'
-mask is filled in by the model's compute_logits. It is a separate run for the same reason;
-its "no mask" variants are then an engine without any custom logits processor.
+By default the engine masks in the model (EngineOptions.mask_in_model, the backend's default):
+no logits processor is registered and the variants' mask is filled in by the model's
+compute_logits. --token-mask builds the engine with the TokenMask logits processor instead
+(its registration alone makes vLLM wait for each step's tokens); a separate run for the same
+reason, whose "no mask" variants then still carry the registered processor.
 
     python bench/decode_probe.py --full-size-dir /tmp/ckpt --json $OUT/decode_probe.json
-    python bench/decode_probe.py --full-size-dir /tmp/ckpt --mask-in-model --json $OUT/decode_probe_in_model.json
+    python bench/decode_probe.py --full-size-dir /tmp/ckpt --token-mask --json $OUT/decode_probe_token_mask.json
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint on the CPU (checks the script only)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--mask-in-model", action="store_true", help="mask in the model, not with TokenMask")
+    parser.add_argument("--token-mask", action="store_true", help="mask with TokenMask, not in the model")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.smoke:
@@ -65,7 +66,7 @@ def main() -> None:
             write_checkpoint(checkpoint, full_size=True, weights=True, dtype=torch.bfloat16, device="cuda")
         device, dtype, options = "cuda", "bfloat16", {"gpu_memory_utilization": 0.3, "kv_cache_gib": 2.0}
         workload = WORKLOADS["W16"]
-    options["mask_in_model"] = args.mask_in_model
+    options["mask_in_model"] = not args.token_mask
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=device, dtype=dtype, backend_options=options)
     backbone = pipeline.backbone
     adapter = backbone._adapter
@@ -77,7 +78,7 @@ def main() -> None:
                             early_ids=(ids.traj_future_start, ids.im_end))
 
     # min_tokens = max_tokens: fixed length, which the in-model mask serves too
-    request_mask, model_mask = (None, mask) if args.mask_in_model else (mask, None)
+    request_mask, model_mask = (mask, None) if args.token_mask else (None, mask)
 
     def engine_run(llm: Any, sink: Any, with_mask: bool, capture: bool) -> Callable[[], dict[str, float]]:
         def run() -> dict[str, float]:
@@ -91,7 +92,7 @@ def main() -> None:
 
     results: dict[str, dict[str, float]] = {}
     llm, sink = backbone._llm, backbone._sink
-    kind = "in-model mask" if args.mask_in_model else "mask"
+    kind = "TokenMask" if args.token_mask else "in-model mask"
     for name, with_mask, capture in [
         (f"ours: {kind} + K/V capture", True, True),
         (f"{kind}, no capture", True, False),

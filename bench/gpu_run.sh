@@ -3,7 +3,7 @@
 # benchmark workloads given as the first argument, logging under $OUT; further arguments go to
 # bench_pipeline.py. Usage on the GPU machine:
 #   bash bench/gpu_run.sh W16,W16-fp8,W4
-#   bash bench/gpu_run.sh W16 --mask-in-model
+#   bash bench/gpu_run.sh W16 --token-mask
 set -uo pipefail
 cat .gpu/bundle.tar.xz.part-* | xz -d -T0 | tar -C /tmp -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

@@ -69,20 +69,23 @@ def _vllm(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, **options:
 
 @pytest.fixture(scope="module")
 def vllm_pipeline(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
+    """The default engine: the <i*> mask applied in the model (EngineOptions.mask_in_model)."""
     pipeline = _vllm(checkpoint, tmp_path_factory)
     yield pipeline
     pipeline.backbone.close()
 
 
 @pytest.fixture(scope="module")
-def masked_pipeline(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, vllm_pipeline: Pipeline) -> Pipeline:
-    """A second engine, masking in the model (EngineOptions.mask_in_model).
+def token_mask_pipeline(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, vllm_pipeline: Pipeline
+) -> Pipeline:
+    """A second engine, masking with the TokenMask logits processor (mask_in_model=False).
 
     vLLM keeps one worker-side KV connector per process, so vllm_pipeline's engine is shut
     down first: the tests using it come before the ones using this in this file.
     """
     vllm_pipeline.backbone.close()
-    pipeline = _vllm(checkpoint, tmp_path_factory, mask_in_model=True)
+    pipeline = _vllm(checkpoint, tmp_path_factory, mask_in_model=False)
     yield pipeline
     pipeline.backbone.close()
 
@@ -167,15 +170,6 @@ def test_greedy_stops_one_token_after_traj_future_start(vllm_pipeline, hf_pipeli
     assert ours.cache.offsets.tolist() == [prompt_len + len(ours.generated_ids[0])] * 2 == [ours.cache.length] * 2
     oracle = hf_pipeline.backbone.prefill(prompt, ours.generated_ids)
     _assert_cache_close(ours.cache, oracle, [ours.cache.length] * 2)
-
-    # min_new_tokens keeps the stop (and end) token away until then, as in the HF backend
-    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, min_new_tokens=8)
-    longer = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
-    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
-    assert longer.generated_ids == reference.generated_ids
-    assert not {ids.traj_future_start, ids.im_end} & set(longer.generated_ids[0][:8])
-    assert len(longer.generated_ids[0]) > len(ours.generated_ids[0])
-    _assert_cache_close(longer.cache, reference.cache, [longer.cache.length])
 
 
 def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipeline, make_driving_input):
@@ -323,50 +317,23 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
     _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
 
 
-# -- EngineOptions.mask_in_model: the mask inside the model's compute_logits ---------------
+# -- the <i*> mask: in the model (default) or as the TokenMask logits processor ------------
 
 
-def test_mask_in_model_replaces_token_mask(vllm_pipeline, make_driving_input, request):
-    """Sampled rows (temperature 1) never hold an <i*> token and equal TokenMask's rows for
-    the same seeds; no logits processor is registered (any custom one costs vLLM's async
-    overlap). First of these tests: it samples with vllm_pipeline before masked_pipeline
-    shuts that engine down."""
+def test_default_engine_masks_in_the_model(vllm_pipeline, make_driving_input) -> None:
+    """No logits processor is registered (any custom one costs vLLM's async overlap)."""
     from alpamayo_ros.core import vllm_adapter
 
-    _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, "Turn right in 30m")
-    args = dict(num_samples=3, temperature=1.0, top_p=1.0, max_new_tokens=12)
-    token_mask = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
-    assert "TokenMask" in vllm_adapter.logits_processor_names(vllm_pipeline.backbone._llm)
-
-    masked = request.getfixturevalue("masked_pipeline")
-    assert "TokenMask" not in vllm_adapter.logits_processor_names(masked.backbone._llm)
-    ours = masked.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
-    ids = masked.tokenizer.ids
-    traj = range(ids.traj_start, ids.traj_start + ids.traj_vocab_size)
-    assert len({tuple(row) for row in ours.generated_ids}) > 1
-    assert not any(token in traj for row in ours.generated_ids for token in row)
-    assert ours.generated_ids == token_mask.generated_ids
+    assert vllm_pipeline.backbone.options.mask_in_model
+    assert "TokenMask" not in vllm_adapter.logits_processor_names(vllm_pipeline.backbone._llm)
 
 
-@pytest.mark.parametrize("cameras,frames,route", SCENES[::3])
-def test_mask_in_model_greedy_reasoning_and_kv_match_hf(
-    masked_pipeline, hf_pipeline, make_driving_input, cameras, frames, route
-):
-    _, prompt = _prompt(masked_pipeline, make_driving_input, cameras, frames, route)
-    args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS)
-    ours = masked_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
-    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
-    assert ours.generated_ids == reference.generated_ids
-    assert ours.cache.offsets.tolist() == reference.cache.offsets.tolist()
-    _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
-
-
-def test_mask_in_model_fixed_length_matches_hf(masked_pipeline, hf_pipeline, make_driving_input):
+def test_fixed_length_matches_hf(vllm_pipeline, hf_pipeline, make_driving_input):
     """min = max: the stop and end ids stay hidden for the whole row, as in the HF backend."""
-    _, prompt = _prompt(masked_pipeline, make_driving_input, (1,), 2, None)
-    ids = masked_pipeline.tokenizer.ids
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
+    ids = vllm_pipeline.tokenizer.ids
     args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
-    ours = masked_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    ours = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
     reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
     assert ours.generated_ids == reference.generated_ids
     assert len(ours.generated_ids[0]) == MAX_TOKENS
@@ -374,31 +341,67 @@ def test_mask_in_model_fixed_length_matches_hf(masked_pipeline, hf_pipeline, mak
     _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
 
 
-def test_mask_in_model_refuses_a_partial_min_new_tokens(masked_pipeline, make_driving_input):
-    _, prompt = _prompt(masked_pipeline, make_driving_input, (1,), 2, None)
-    with pytest.raises(ValueError, match="min_new_tokens"):
-        masked_pipeline.backbone.rollout(
+def test_in_model_mask_refuses_a_partial_min_new_tokens(vllm_pipeline, make_driving_input):
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
+    with pytest.raises(ValueError, match="min_new_tokens: with mask_in_model"):
+        vllm_pipeline.backbone.rollout(
             prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=8, min_new_tokens=4,
             generator=torch.Generator(),
         )  # fmt: skip
 
 
-def test_mask_in_model_is_cleared_after_each_rollout(masked_pipeline, hf_pipeline, make_driving_input):
+def test_in_model_mask_is_cleared_after_each_rollout(vllm_pipeline, hf_pipeline, make_driving_input):
     """The mask lives for one run_requests call, also one that raised: VQA afterwards is
     unmasked (an <i*> token wins on this prompt, see test_generate_is_unmasked_and_matches_hf)."""
     from alpamayo_ros.core import vllm_adapter
 
-    llm = masked_pipeline.backbone._llm
-    _, prompt = _prompt(masked_pipeline, make_driving_input, (1,), 2, None)
+    llm = vllm_pipeline.backbone._llm
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
     args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=6)
-    masked_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
     assert vllm_adapter.engine_token_mask(llm) is None
-    ours = masked_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
+    ours = vllm_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
     assert ours == hf_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
-    ids = masked_pipeline.tokenizer.ids
+    ids = vllm_pipeline.tokenizer.ids
     assert any(ids.traj_start <= token < ids.traj_start + ids.traj_vocab_size for token in ours[0])
 
     bad = dataclasses.replace(prompt, input_ids=torch.cat([prompt.input_ids, torch.tensor([10**7])]))
     with pytest.raises(Exception, match="out of vocabulary"):  # vLLM refuses it in add_request
-        masked_pipeline.backbone.rollout(bad, generator=torch.Generator(), **args)
+        vllm_pipeline.backbone.rollout(bad, generator=torch.Generator(), **args)
     assert vllm_adapter.engine_token_mask(llm) is None
+
+
+def test_token_mask_samples_what_the_in_model_mask_samples(vllm_pipeline, make_driving_input, request):
+    """Sampled rows (temperature 1) never hold an <i*> token and are the same rows for the
+    same seeds under both masks. First of the TokenMask tests: it samples with vllm_pipeline
+    before token_mask_pipeline shuts that engine down."""
+    from alpamayo_ros.core import vllm_adapter
+
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, "Turn right in 30m")
+    args = dict(num_samples=3, temperature=1.0, top_p=1.0, max_new_tokens=12)
+    in_model = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
+
+    token_mask = request.getfixturevalue("token_mask_pipeline")
+    assert "TokenMask" in vllm_adapter.logits_processor_names(token_mask.backbone._llm)
+    ours = token_mask.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
+    ids = token_mask.tokenizer.ids
+    traj = range(ids.traj_start, ids.traj_start + ids.traj_vocab_size)
+    assert len({tuple(row) for row in ours.generated_ids}) > 1
+    assert not any(token in traj for row in ours.generated_ids for token in row)
+    assert ours.generated_ids == in_model.generated_ids
+
+
+def test_token_mask_serves_a_partial_min_new_tokens(token_mask_pipeline, hf_pipeline, make_driving_input):
+    """min_new_tokens keeps the stop (and end) token away until then, as in the HF backend;
+    the row is longer than the unforced greedy one, which stops on <|traj_future_start|>."""
+    _, prompt = _prompt(token_mask_pipeline, make_driving_input, (1,), 2, None)
+    ids = token_mask_pipeline.tokenizer.ids
+    free = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS)
+    unforced = token_mask_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **free)
+    args = dict(free, min_new_tokens=8)
+    longer = token_mask_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    reference = hf_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
+    assert longer.generated_ids == reference.generated_ids
+    assert not {ids.traj_future_start, ids.im_end} & set(longer.generated_ids[0][:8])
+    assert len(longer.generated_ids[0]) > len(unforced.generated_ids[0])
+    _assert_cache_close(longer.cache, reference.cache, [longer.cache.length])

