@@ -27,10 +27,11 @@ fi
 # Workaround 2: point the exported targets at this venv's Python and numpy headers.
 PYINC=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 NPINC=$("$PY" -c "import numpy; print(numpy.get_include())")
-BAKED=/opt/python/cp311-cp311
+PYVER=$("$PY" -c "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')")
+BAKED=/opt/python/cp${PYVER/./}-cp${PYVER/./}  # the wheel builder's interpreter for this Python version
 grep -rl "$BAKED/" "$VENV/share" --include='*.cmake' 2>/dev/null | xargs -r sed -i \
-  -e "s#$BAKED/include/python3.11#$PYINC#g" \
-  -e "s#$BAKED/lib/python3.11/site-packages/numpy/_core/include#$NPINC#g"
+  -e "s#$BAKED/include/python$PYVER#$PYINC#g" \
+  -e "s#$BAKED/lib/python$PYVER/site-packages/numpy/_core/include#$NPINC#g"
 
 echo "build_msgs: building alpamayo_ros_msgs into $VENV"
 rm -rf "$BUILD"  # a cache from another venv or source tree would point at the wrong paths
