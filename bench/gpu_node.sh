@@ -62,13 +62,16 @@ run() {
   for tool in cc c++ python3; do
     command -v "$tool" > /dev/null || { echo "gpu_node: $tool is missing on this machine" >&2; exit 1; }
   done
-  python3 -m venv --without-pip --system-site-packages "$venv"  # pip: the system one
+  # python3 may itself be a venv (torch's): its packages reach ours through a .pth file
+  python3 -m venv --without-pip "$venv"
+  python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+    > "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/host.pth"
   "$venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation \
     "$CARRY"/*.whl "$CARRY"/*.tar.gz .whl/*.whl
   mkdir -p /tmp/cmake && tar -C /tmp/cmake -xJf "$CARRY/cmake.tar.xz" && chmod +x /tmp/cmake/bin/cmake
   PATH=/tmp/cmake/bin:$PATH bash scripts/build_msgs.sh "$venv"
-  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . > /tmp/editable.log 2>&1 \
-    || { cat /tmp/editable.log; exit 1; }
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation . > /tmp/install.log 2>&1 \
+    || { cat /tmp/install.log; exit 1; }  # not editable: setup.cfg's ROS [develop] section trips older setuptools
   export AMENT_PREFIX_PATH=$venv PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
   local backend=hf
   if [[ -d /tmp/site/vllm && -f /tmp/ckpt/config.json ]]; then
