@@ -1,8 +1,7 @@
 """Benchmark the planning pipeline (the same `Pipeline.plan` the node calls), per stage.
 
 Workloads (issue 7): W16 = cameras 0,1,2,6 x 4 frames of 1080x1920 RGB, 1 sample, reasoning forced
-to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights
-(vLLM online quantization) and FP8 action expert GEMMs (Pipeline expert_quantization="fp8").
+to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights.
 Inputs stream as a node sees them at a 10 Hz plan rate: each plan brings one new frame per camera
 and shares the other three with the plan before (so frame caches work as in the node);
 "-fresh" = every frame of every plan is new (nothing can be reused).
@@ -47,8 +46,7 @@ class Workload:
     height: int = 1080
     width: int = 1920
     reasoning_tokens: int = 40
-    quantization: str | None = None  # the vLLM backbone's
-    expert_quantization: str | None = None  # Pipeline expert_quantization
+    quantization: str | None = None
     stream: bool = True  # consecutive plans share all but one frame per camera
 
 
@@ -57,7 +55,7 @@ class Workload:
 WORKLOADS = {
     "W16": Workload(cameras=(0, 1, 2, 6)),
     "W16-fresh": Workload(cameras=(0, 1, 2, 6), stream=False),
-    "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8", expert_quantization="fp8"),
+    "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8"),
     "W4": Workload(cameras=(1,)),
     "smoke": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8),
 }
@@ -160,8 +158,7 @@ def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, ima
     expert_layer = expert.hidden_size * expert.head_dim * (2 * expert.num_heads + 2 * expert.num_kv_heads)
     expert_params = expert.num_layers * (expert_layer + 3 * expert.hidden_size * expert.intermediate_size)
     prefix_kv = kv_bytes_per_token * prompt_tokens * expert.num_layers / layers
-    expert_weight_bytes = 2 if workload.expert_quantization is None else 1
-    expert_ms = 10 * (expert_params * expert_weight_bytes + prefix_kv) / HBM_BYTES_PER_S * 1e3
+    expert_ms = 10 * (expert_params * 2 + prefix_kv) / HBM_BYTES_PER_S * 1e3
     floors = {
         "vision": vision_flops / BF16_FLOPS_PER_S * 1e3,
         "prefill": prefill_flops / BF16_FLOPS_PER_S * 1e3,
@@ -222,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config: AlpamayoConfig, dtype: str) -> dict:
     """Every backend on one workload, one after the other in this process."""
     workload = WORKLOADS[name]
-    results: dict = {
-        "workload": name, "device": args.device, "dtype": dtype, "quantization": workload.quantization,
-        "expert_quantization": workload.expert_quantization, "backends": {},
-    }
+    results: dict = {"workload": name, "device": args.device, "dtype": dtype, "backends": {}}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
     backends = args.backends.split(",")
@@ -243,10 +237,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
             if not args.device.startswith("cuda"):
                 options = {"enforce_eager": True, "kv_cache_gib": 1, "mask_in_model": not args.token_mask}
         start = time.perf_counter()
-        pipeline = Pipeline.from_checkpoint(
-            checkpoint, backend=backend, device=args.device, dtype=dtype, backend_options=options,
-            expert_quantization=workload.expert_quantization,
-        )
+        pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype, backend_options=options)
         load_s = time.perf_counter() - start
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -273,12 +264,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
 def print_report(results: dict) -> None:
     """Markdown tables: per-stage p50/p90/p99 per backend, ratios against the first backend."""
     backends = list(results["backends"])
-    quantized = [
-        f"{part} {results[key]}" for part, key in (("backbone", "quantization"), ("expert", "expert_quantization"))
-        if results[key]
-    ]
-    formats = ", ".join([results["dtype"], *quantized])
-    lines = [f"## {results['workload']} on {results.get('gpu', results['device'])} ({formats})", ""]
+    lines = [f"## {results['workload']} on {results.get('gpu', results['device'])} ({results['dtype']})", ""]
     lines.append("| backend | stage | p50 ms | p90 ms | p99 ms | floor ms | floor/p50 |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- |")
     floors = results["roofline_floor_ms"]

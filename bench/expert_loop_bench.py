@@ -7,9 +7,8 @@ figures. Times are wall-clock per `sample` call with the device synchronised (p5
 --runs) after one untimed call (whose time, capture and compile included, is printed as
 "first call"); the graph variants include loading the cache into their state. The
 bandwidth floor reads every expert weight and the prefix K/V once per step at the measured
-copy bandwidth (the fp8 floor reads the layers' linear weights as 1 byte each). --micro
-adds per-kernel times (attention backends, each GEMM in bf16 and in FP8) from CUDA graphs of
-20 calls.
+copy bandwidth. --micro adds per-kernel times (attention backends, each GEMM) from CUDA
+graphs of 20 calls.
 
 Parity is checked on one Euler step of dt = 1 (x1 - x0 = v): with random weights the
 10-step flow is chaotic (Fourier frequencies up to 100 amplify a rounding ~400x per step),
@@ -35,7 +34,6 @@ import torch
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
 from alpamayo_ros.core.flow_matching import ExpertSampler, integrate, sample
-from alpamayo_ros.core.fp8_linear import fp8_linear, quantize_rows
 
 #: The estimated release expert (alpamayo_ros.core.tiny_checkpoint.FULL_EXPERT) on
 #: Qwen3-VL-8B's 36 cache layers.
@@ -145,9 +143,7 @@ def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
 
 
 def kernel_micro(config: ExpertConfig, length: int, device: torch.device) -> dict[str, float]:
-    """Per-layer kernel times (us) behind the loop: attention backends, separate vs fused GEMMs,
-    each GEMM on FP8 operands (torch._scaled_mm alone), and the fused q/k/v fp8_linear with its
-    per-token activation quantization (eager: more kernels than the compiled loop runs)."""
+    """Per-layer kernel times (us) behind the loop: attention backends, separate vs fused GEMMs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     bf16 = {"device": device, "dtype": torch.bfloat16}
@@ -177,20 +173,9 @@ def kernel_micro(config: ExpertConfig, length: int, device: torch.device) -> dic
     linear = torch.nn.functional.linear
     for name in w:
         source = torch.randn(64, q_dim, **bf16) if name == "o" else wide if name == "down" else h
-        shape = f"64x{w[name].shape[1]}x{w[name].shape[0]}"
-        figures[f"gemm {name} {shape}"] = graph_time_us(
+        figures[f"gemm {name} 64x{w[name].shape[1]}x{w[name].shape[0]}"] = graph_time_us(
             lambda name=name, source=source: linear(source, w[name])
         )
-        source8, source_scale = quantize_rows(source)
-        weight8, weight_scale = quantize_rows(w[name])
-        figures[f"gemm fp8 {name} {shape}"] = graph_time_us(
-            lambda a=source8, b=weight8.t(), sa=source_scale, sb=weight_scale.view(1, -1):
-            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-        )
-    weight8, weight_scale = quantize_rows(w["qkv"])
-    figures[f"fp8_linear qkv 64x{hidden}x{weight8.shape[0]} + act quant"] = (
-        graph_time_us(lambda: fp8_linear(h, weight8, weight_scale.view(1, -1)))
-    )
     return figures
 
 
@@ -216,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(device):
         expert = ActionExpertModel(config).eval().to(dtype)
     params = sum(p.numel() for p in expert.parameters())
-    # what fp8 weights shrink to 1 byte: every linear weight of the layers (norms stay)
-    layer_linear = sum(p.numel() for p in expert.expert.layers.parameters() if p.dim() == 2)
     cache = random_cache(config, 1, length, device, dtype)
     noise = torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(1))
     bandwidth = copy_bandwidth(device)
@@ -229,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "dtype": str(dtype),
         "copy_bandwidth_tb_s": bandwidth and bandwidth / 1e12,
         "floor_ms": bandwidth and args.steps * step_bytes / bandwidth * 1e3,
-        "floor_ms_at_4.8tb_s": args.steps * step_bytes / 4.8e12 * 1e3,
-        "floor_ms_fp8": bandwidth
-        and args.steps * (step_bytes - layer_linear * (dtype.itemsize - 1)) / bandwidth * 1e3,
-        "variants": {},
+        "floor_ms_at_4.8tb_s": args.steps * step_bytes / 4.8e12 * 1e3, "variants": {},
     }
     print(json.dumps({k: v for k, v in results.items() if k != "variants"}), flush=True)
 
@@ -249,13 +229,9 @@ def main(argv: list[str] | None = None) -> int:
 
     samplers: dict[str, ExpertSampler] = {}
 
-    def graphed(
-        bucket: int, compile_layers: bool, fp8: bool = False
-    ) -> Callable[[int], torch.Tensor]:
-        name = f"{bucket}-{compile_layers}-{fp8}"
-        samplers[name] = ExpertSampler(
-            expert, bucket=bucket, compile_layers=compile_layers, fp8=fp8
-        )
+    def graphed(bucket: int, compile_layers: bool) -> Callable[[int], torch.Tensor]:
+        name = f"{bucket}-{compile_layers}"
+        samplers[name] = ExpertSampler(expert, bucket=bucket, compile_layers=compile_layers)
         return lambda n_steps: samplers[name].sample(cache, steps=n_steps, init_noise=noise)
 
     with torch.inference_mode():
@@ -267,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
             ("graph + compiled layers, bucket 256", graphed(256, True)),
             ("graph, exact length (no mask)", graphed(1, False)),
             ("graph + compiled layers, exact length", graphed(1, True)),
-            ("graph + compiled layers, bucket 256, fp8 weights", graphed(256, True, fp8=True)),
         ]
         if args.micro and device.type == "cuda":
             try:
@@ -315,14 +290,13 @@ def main(argv: list[str] | None = None) -> int:
             results["flash_takes_mask_channel"] = flash_takes(state, config)
             print(json.dumps({"flash_takes_mask_channel": results["flash_takes_mask_channel"]}))
             compiled_ok = "p50_ms" in results["variants"].get(variants[3][0], {})
-            profiled = {f"compiled={compiled_ok}": f"256-{compiled_ok}-False"}
-            if "p50_ms" in results["variants"].get(variants[6][0], {}):
-                profiled["compiled, fp8 weights"] = "256-True-True"
-            for label, key in profiled.items():
-                print(f"kernels of one bucket-256 graph call, {label}:", flush=True)
-                print(kernel_profile(
-                    lambda key=key: samplers[key].sample(cache, steps=args.steps, init_noise=noise)
-                ), flush=True)  # fmt: skip
+            profiled = samplers["256-True" if compiled_ok else "256-False"]
+
+            def call() -> torch.Tensor:
+                return profiled.sample(cache, steps=args.steps, init_noise=noise)
+
+            print(f"kernels of one bucket-256 graph call, compiled={compiled_ok}:", flush=True)
+            print(kernel_profile(call), flush=True)
 
     reference_ms = results["variants"].get(variants[0][0], {}).get("p50_ms")
     lines = [
@@ -332,16 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     if bandwidth:
         lines.append(
             f"copy bandwidth {bandwidth / 1e12:.2f} TB/s -> floor {results['floor_ms']:.2f} ms"
-            f" ({results['floor_ms_at_4.8tb_s']:.2f} ms at 4.8 TB/s; fp8 weights"
-            f" {results['floor_ms_fp8']:.2f} ms)"
+            f" ({results['floor_ms_at_4.8tb_s']:.2f} ms at 4.8 TB/s)"
         )
     for name, figures in results["variants"].items():
         if "p50_ms" not in figures:
-            lines.append(f"{name:50s} FAILED")
+            lines.append(f"{name:42s} FAILED")
             continue
         ratio = f"  x{reference_ms / figures['p50_ms']:.1f} vs reference" if reference_ms else ""
         lines.append(
-            f"{name:50s} p50 {figures['p50_ms']:8.2f} ms  (first call"
+            f"{name:42s} p50 {figures['p50_ms']:8.2f} ms  (first call"
             f" {figures['first_call_ms']:6.0f} ms, 1-step max|dv|"
             f" {figures['one_step_max_abs_dv']:.3g} of {figures['one_step_max_abs_v']:.3g}){ratio}"
         )

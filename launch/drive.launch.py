@@ -39,7 +39,6 @@ PARAMETER_ARGUMENTS: dict[str, str] = {
     "tensor_parallel_size": "vllm.tensor_parallel_size",
     "enforce_eager": "vllm.enforce_eager",
     "quantization": "vllm.quantization",
-    "expert_quantization": "expert.quantization",
     "camera_topics": "cameras.topics",
     "camera_indices": "cameras.indices",
     "camera_transports": "cameras.transports",

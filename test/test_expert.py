@@ -1,10 +1,8 @@
 """Action expert: checkpoint layout, positions and mask invariants, exact parity with
-transformers' Qwen3VLTextModel run the way upstream runs its expert (cache + 4D mask), the
-fast path's fused q/k/v weight (one GEMM, upstream's parameters as views of it) and its FP8
-weight copies."""
+transformers' Qwen3VLTextModel run the way upstream runs its expert (cache + 4D mask), and the
+fast path's fused q/k/v weight (one GEMM, upstream's parameters as views of it)."""
 
 import copy
-import functools
 import math
 from pathlib import Path
 
@@ -25,7 +23,6 @@ from alpamayo_ros.core.expert import (
     MRotaryEmbedding,
     build_positions_and_mask,
 )
-from alpamayo_ros.core.expert_state import prepared_layer_step
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
 SECTION = (2, 3, 3)  # sums to HEAD_DIM / 2
@@ -455,19 +452,15 @@ def test_bad_states_are_named():
 
 
 class LinearWeights(TorchFunctionMode):
-    """Records the weight of every F.linear call and the weight operand of every FP8 GEMM
-    (torch._scaled_mm); observes, replaces nothing."""
+    """Records the weight of every F.linear call (observes, replaces nothing)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weights: list[torch.Tensor] = []
-        self.fp8_weights: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.linear:
             self.weights.append(args[1])
-        elif func is torch._scaled_mm:
-            self.fp8_weights.append(args[1])
         return func(*args, **(kwargs or {}))
 
 
@@ -542,80 +535,3 @@ def test_fast_path_projects_qkv_with_one_gemm_and_the_reference_with_three():
         assert not any(w is p for w in fast.weights for p in separate)
         assert not any(w is attention.qkv_weight for w in reference.weights)
         assert all(sum(w is p for w in reference.weights) == 1 for p in separate)
-
-
-# --- FP8 copies: the fast path's GEMMs on float8 weights, the reference untouched ---------
-
-
-def fp8_copies(model: ActionExpertModel) -> list:
-    return [
-        copy
-        for layer in model.expert.layers
-        for copy in (layer.self_attn.qkv_fp8, layer.self_attn.o_fp8, layer.mlp.gate_fp8,
-                     layer.mlp.up_fp8, layer.mlp.down_fp8)
-    ]
-
-
-def test_fp8_fast_path_multiplies_the_fp8_copies_and_the_reference_keeps_full_weights():
-    torch.manual_seed(0)
-    model = ActionExpertModel(tiny_config(attention_bias=True)).eval()
-    cache = random_cache(2, 20, seed=1, offsets=[20, 15], deltas=[0, 1])
-    x, t = noisy_action(2, seed=2)
-    fp8_step = functools.partial(prepared_layer_step, fp8=True)
-    with torch.no_grad():
-        state = model.prepare(cache)
-        with pytest.raises(RuntimeError, match="fp8: .* call quantize_fp8"):
-            model.velocity_prepared(x, t, state, layer_step=fp8_step)
-        before = model.velocity(x, t, cache), model.velocity_prepared(x, t, state)
-        model.quantize_fp8()
-        with LinearWeights() as fast:
-            got = model.velocity_prepared(x, t, state, layer_step=fp8_step)
-        with LinearWeights() as unquantized:
-            after = model.velocity(x, t, cache), model.velocity_prepared(x, t, state)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert not unquantized.fp8_weights
-    # every layer GEMM (q/k/v as one) reads its FP8 copy once, and no full-precision weight
-    copies = fp8_copies(model)
-    assert all(w.dtype == torch.float8_e4m3fn for w in fast.fp8_weights)
-    read = sorted(w.data_ptr() for w in fast.fp8_weights)
-    assert read == sorted(c.weight.data_ptr() for c in copies)
-    layer_weights = [*model.expert.layers.parameters()]
-    layer_weights += [layer.self_attn.qkv_weight for layer in model.expert.layers]
-    assert not any(w is p for w in fast.weights for p in layer_weights)
-    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-             "mlp.down_proj")
-    assert [c.name for c in copies[:5]] == [f"expert.layers.0.{name}" for name in names]
-    assert not any("fp8" in name for name in model.state_dict())
-    # FP8 rounds each GEMM operand by up to 2^-4 = 6% of itself, errors mostly cancel in the
-    # sums: this call moves by 1.7% (L2); a wrong scale or layout would move it by O(1).
-    # Multi-step sampling: test_flow_matching.py.
-    assert 0 < (got - before[0]).norm() < 0.06 * before[0].norm()
-
-
-def test_fp8_requantizes_in_place_and_layer_step_compiles_without_graph_breaks():
-    """fullgraph=True fails on any graph break (host syncs such as .item() included), as the
-    sampler's compiled layers would. aot_eager traces as inductor does but runs eager kernels;
-    inductor's CUDA code for the FP8 GEMMs runs on the GPU only (bench/expert_loop_bench.py)."""
-    torch.manual_seed(0)
-    model = ActionExpertModel(tiny_config()).eval()
-    model.quantize_fp8()
-    addresses = [c.weight.data_ptr() for c in fp8_copies(model)]
-    with torch.no_grad():
-        for layer in model.expert.layers:
-            layer.mlp.up_proj.weight.mul_(2.0)
-    model.quantize_fp8()  # a snapshot: refreshed where it lies
-    assert [c.weight.data_ptr() for c in fp8_copies(model)] == addresses
-    state = model.prepare(random_cache(1, 20, seed=1, offsets=[20], deltas=[0]))
-    x, t = noisy_action(1, seed=2)
-    compiled = torch.compile(
-        prepared_layer_step, fullgraph=True, dynamic=False, backend="aot_eager"
-    )
-    with torch.no_grad():
-        full = model.velocity_prepared(x, t, state)
-        eager, traced = (
-            model.velocity_prepared(x, t, state, layer_step=functools.partial(step, fp8=True))
-            for step in (prepared_layer_step, compiled)
-        )
-    assert torch.equal(eager, traced)
-    # 2.5% here, 21% had the copies kept the old weights
-    assert (eager - full).norm() < 0.06 * full.norm()

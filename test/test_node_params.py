@@ -84,7 +84,6 @@ def test_defaults_with_cameras_parse(tmp_path: Path) -> None:
     assert settings.ego_history.num_poses == 16 and settings.ego_history.max_stale_ns == 100_000_000
     assert settings.model_id == tmp_path.name and settings.dtype is None
     assert settings.backend_options == {}  # the hf backend takes none
-    assert settings.expert_quantization is None  # "" = the model dtype
     assert settings.sampling.cfg_weight is None and settings.sampling.max_reasoning_tokens == 256
     assert [c.transport for c in settings.cameras] == ["raw", "compressed", "raw"]
 
@@ -103,13 +102,6 @@ def test_vllm_options_become_backend_options(tmp_path: Path) -> None:
     assert sized_by_fraction.backend_options["kv_cache_gib"] is None  # 0 = let vLLM size it
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
-def test_expert_quantization_reaches_the_pipeline_settings(tmp_path: Path, backend: str) -> None:
-    settings = parse_settings(defaults(tmp_path, model__backend=backend, expert__quantization="fp8"))
-    assert settings.expert_quantization == "fp8"  # the expert is ours on either backend
-    assert "expert_quantization" not in settings.backend_options
-
-
 @pytest.mark.parametrize(
     ("overrides", "name"),
     [
@@ -125,7 +117,6 @@ def test_expert_quantization_reaches_the_pipeline_settings(tmp_path: Path, backe
         ({"history.length": 8}, "history.length"),
         ({"sampling.top_p": 2}, "sampling.top_p"),
         ({"vllm.enforce_eager": "yes"}, "vllm.enforce_eager"),
-        ({"expert.quantization": "int8"}, "expert.quantization"),
         ({"odometry.topic": ""}, "odometry.topic"),
     ],
 )

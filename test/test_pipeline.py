@@ -96,20 +96,6 @@ def test_nav_cfg(pipeline: Pipeline, scene, coc_ids: list[int], make_driving_inp
     assert "cfg_prefill" not in ignored.timings_ms  # nothing to guide without a route
 
 
-def test_fp8_expert_plans_with_fp8_weights(tiny_checkpoint: Path, pipeline: Pipeline, scene, coc_ids) -> None:
-    quantized = Pipeline.from_checkpoint(
-        tiny_checkpoint, backend="hf", device="cpu", dtype="float32", expert_quantization="fp8"
-    )
-    assert quantized.expert_quantization == "fp8" and quantized.expert_sampler.fp8
-    assert quantized.expert.expert.layers[0].mlp.up_fp8.weight.dtype == torch.float8_e4m3fn
-    settings = SamplingSettings(num_samples=2, seed=5)
-    plan = quantized.plan(scene, settings, forced_coc_ids=coc_ids)
-    full = pipeline.plan(scene, settings, forced_coc_ids=coc_ids)
-    assert plan.xyz.shape == full.xyz.shape and np.isfinite(plan.xyz).all()
-    assert plan.generated_ids == full.generated_ids  # the backbone is not quantized
-    assert not np.array_equal(plan.xyz, full.xyz)  # the expert's GEMMs are
-
-
 def test_route_changes_the_prompt_not_the_shapes(pipeline: Pipeline, scene, make_driving_input) -> None:
     no_route = make_driving_input(frames=2)
     with_route = pipeline.driving_prompt(scene, pipeline.preprocess(scene))
@@ -163,5 +149,3 @@ def test_bad_backend_arguments(tiny_checkpoint: Path) -> None:
         Pipeline.from_checkpoint(tiny_checkpoint, backend_options={"max_model_len": 4096})
     with pytest.raises(ValueError, match="dtype: expected a floating torch dtype name, got 'int8'"):
         Pipeline.from_checkpoint(tiny_checkpoint, dtype="int8")
-    with pytest.raises(ValueError, match=r"expert_quantization: expected None or one of \('fp8',\), got 'int8'"):
-        Pipeline.from_checkpoint(tiny_checkpoint, expert_quantization="int8")

@@ -10,10 +10,6 @@ cache and the action K/V on every call (upstream's append-then-crop, the referen
 `prepare(cache)` copies the cache once into an ExpertState (expert_state.py) with spare
 columns for the action tokens and `velocity_prepared(x, t, state)` then writes only those
 columns per step. The cache itself is never mutated.
-
-`quantize_fp8()` adds FP8 copies of every layer's linear weights (fp8_linear.py) for the fast
-path; a layer step called with fp8=True (ExpertSampler(fp8=True)) multiplies with them, while
-`velocity` keeps the full-precision weights.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from alpamayo_ros.core.expert_state import (
     LayerStep,
     prepared_layer_step,
 )
-from alpamayo_ros.core.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +217,7 @@ class ExpertAttention(nn.Module):
 
     The reference path (forward) projects with q_proj, k_proj and v_proj as upstream does;
     the fast path (forward_prepared) with one GEMM over their fused weight, of which their
-    weights are views, or over its FP8 copy (quantize_fp8).
+    weights are views.
     """
 
     def __init__(
@@ -248,8 +243,6 @@ class ExpertAttention(nn.Module):
         # Unsaved: the checkpoint keeps upstream's q/k/v_proj keys, whose tensors are slices.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
-        self.register_module("qkv_fp8", None)  # FP8 copies, see quantize_fp8
-        self.register_module("o_fp8", None)
         self._fuse_qkv()
         self.register_load_state_dict_post_hook(ExpertAttention._fuse_after_load)
 
@@ -266,14 +259,6 @@ class ExpertAttention(nn.Module):
         self.qkv_weight = _one_tensor_under([p.weight for p in projections], self.qkv_weight)
         if self.q_proj.bias is not None:
             self.qkv_bias = _one_tensor_under([p.bias for p in projections], self.qkv_bias)
-
-    def quantize_fp8(self, name: str) -> None:
-        """(Re)build the FP8 copies of the fused q/k/v weight (one tensor) and of o_proj's.
-
-        name: this module's, for error messages.
-        """
-        self.qkv_fp8 = _fp8_copy(self.qkv_fp8, self.qkv_weight, f"{name}.qkv_proj")
-        self.o_fp8 = _fp8_copy(self.o_fp8, self.o_proj.weight, f"{name}.o_proj")
 
     @staticmethod
     def _fuse_after_load(module: ExpertAttention, _keys: object) -> None:
@@ -318,7 +303,7 @@ class ExpertAttention(nn.Module):
         values: torch.Tensor,
         folded_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Attend q (N, H, L, Dk) to keys/values (N, Hkv, S, Dk) -> (N, L, H*D), unprojected."""
+        """Attend q (N, H, L, Dk) to keys/values (N, Hkv, S, Dk); project (N, L, E) out."""
         n_rows, _, length, width = q.shape
         # GQA without copying K/V per query head: query heads sharing a kv head are stacked
         # along the query axis (N, Hkv, groups*L, Dk); a mask is shared by all heads.
@@ -326,7 +311,7 @@ class ExpertAttention(nn.Module):
         scale = self.head_dim**-0.5
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=folded_mask, scale=scale)
         out = out[..., : self.head_dim].reshape(n_rows, self.num_heads, length, self.head_dim)
-        return out.transpose(1, 2).reshape(n_rows, length, -1)
+        return self.o_proj(out.transpose(1, 2).reshape(n_rows, length, -1))
 
     def forward(
         self,
@@ -344,7 +329,7 @@ class ExpertAttention(nn.Module):
         q, k, v = self._heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), rope)
         k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (N, Hkv, T+L, D)
         v = torch.cat([past_value.to(v.dtype), v], dim=2)
-        return self.o_proj(self._attend(q, k, v, folded_mask))
+        return self._attend(q, k, v, folded_mask)
 
     def forward_prepared(
         self,
@@ -353,49 +338,32 @@ class ExpertAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         query_pad: torch.Tensor | None,
-        fp8: bool = False,
     ) -> torch.Tensor:
         """Write h's K/V into the last L columns of one ExpertState layer, then attend to it.
 
-        Projects q, k and v with one GEMM over the fused weight (see _fuse_qkv); fp8: that
-        GEMM and o_proj's over the FP8 copies (quantize_fp8).
+        Projects q, k and v with one GEMM over the fused weight (see _fuse_qkv).
         """
-        if fp8:
-            qkv = self.qkv_fp8(h, self.qkv_bias)
-        else:
-            qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = self._heads(*qkv.split(self._qkv_rows, dim=-1), rope)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
+        q, k, v = self._heads(*qkv, rope)
         length = h.shape[1]
         keys[:, :, -length:, : self.head_dim] = k
         values[:, :, -length:, : self.head_dim] = v
         if query_pad is not None:
             q = torch.cat([q, query_pad.expand(*q.shape[:-1], -1)], dim=-1)
         with sdpa_kernel(PREPARED_ATTENTION, set_priority=True):
-            out = self._attend(q, keys, values, None)
-        return self.o_fp8(out, self.o_proj.bias) if fp8 else self.o_proj(out)
+            return self._attend(q, keys, values, None)
 
 
 class ExpertMLP(nn.Module):
-    """SwiGLU feed-forward, optionally over FP8 copies of its weights (quantize_fp8)."""
+    """SwiGLU feed-forward."""
 
     def __init__(self, *, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        for slot in ("gate_fp8", "up_fp8", "down_fp8"):  # FP8 copies, see quantize_fp8
-            self.register_module(slot, None)
 
-    def quantize_fp8(self, name: str) -> None:
-        """(Re)build the FP8 copies of gate, up and down; name: this module's, for errors."""
-        self.gate_fp8 = _fp8_copy(self.gate_fp8, self.gate_proj.weight, f"{name}.gate_proj")
-        self.up_fp8 = _fp8_copy(self.up_fp8, self.up_proj.weight, f"{name}.up_proj")
-        self.down_fp8 = _fp8_copy(self.down_fp8, self.down_proj.weight, f"{name}.down_proj")
-
-    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor:
-        """fp8: multiply the FP8 copies (the fast path's choice; the reference never does)."""
-        if fp8:
-            return self.down_fp8(F.silu(self.gate_fp8(x)) * self.up_fp8(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -436,16 +404,12 @@ class ExpertLayer(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         query_pad: torch.Tensor | None,
-        fp8: bool = False,
     ) -> torch.Tensor:
-        """forward() over one ExpertState layer; fp8: over the FP8 weight copies."""
-        if fp8 and self.mlp.down_fp8 is None:
-            raise RuntimeError("fp8: this expert has no FP8 weights; call quantize_fp8() first")
         attn = self.self_attn.forward_prepared(
-            self.input_layernorm(h), rope, keys, values, query_pad, fp8
+            self.input_layernorm(h), rope, keys, values, query_pad
         )
         h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h), fp8)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class ExpertModel(nn.Module):
@@ -500,14 +464,6 @@ class ExpertModel(nn.Module):
         for layer, keys, values in zip(self.layers, state.keys, state.values):
             h = layer_step(layer, h, rope, keys, values, state.query_pad)
         return self.norm(h)
-
-
-def _fp8_copy(copy: Fp8Linear | None, weight: torch.Tensor, name: str) -> Fp8Linear:
-    """An FP8 copy of weight: `copy` re-quantized in place if it exists (graphs hold it)."""
-    if copy is None:
-        return Fp8Linear(weight, name=name)
-    copy.load_(weight)
-    return copy
 
 
 def _check_cache_layers(
@@ -610,19 +566,6 @@ class ActionExpertModel(nn.Module):
         positions, mask = build_positions_and_mask(cache, x.shape[1])
         hidden = self.expert(embeds, positions, mask, cache.keys, cache.values)
         return self.action_out_proj(hidden)
-
-    def quantize_fp8(self) -> None:
-        """Give every layer's linear layers FP8 copies of their weights, for the fast path.
-
-        Only a layer step called with fp8=True (ExpertSampler(fp8=True)) uses them: velocity
-        and the default fast path keep the full-precision weights, which stay (+1 byte per
-        layer parameter, ~2.3 GB at full size). The copies are a snapshot: call again after
-        changing the weights (it re-quantizes in place, so captured graphs stay valid).
-        Copies follow device moves, not dtype casts.
-        """
-        for i, layer in enumerate(self.expert.layers):
-            layer.self_attn.quantize_fp8(f"expert.layers.{i}.self_attn")
-            layer.mlp.quantize_fp8(f"expert.layers.{i}.mlp")
 
     def new_state(self, rows: int, capacity: int, *, masked: bool) -> ExpertState:
         """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W)."""

@@ -154,15 +154,14 @@ def prepared_layer_step(
     keys: torch.Tensor,
     values: torch.Tensor,
     query_pad: torch.Tensor | None,
-    fp8: bool = False,
 ) -> torch.Tensor:
-    """One layer over one ExpertState layer; fp8: over its FP8 weight copies.
+    """One layer over one ExpertState layer.
 
     A plain function of the layer, so that one torch.compile of it serves every layer (they
     differ only in weights); see ExpertModel.forward_prepared.
     """
-    return layer.forward_prepared(h, rope, keys, values, query_pad, fp8)
+    return layer.forward_prepared(h, rope, keys, values, query_pad)
 
 
-#: prepared_layer_step, a compiled twin of it, or either with fp8 bound (same arguments).
+#: prepared_layer_step or a compiled twin of it (same arguments).
 LayerStep = Callable[..., torch.Tensor]

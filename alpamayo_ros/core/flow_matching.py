@@ -11,7 +11,6 @@ length-bucketed ExpertStates, and on CUDA every step of the loop replayed as one
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -153,15 +152,9 @@ class ExpertSampler:
     faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
     dynamo's recompile limit (8 shapes) further shapes run the layer uncompiled.
 
-    fp8: the layers' linear layers (q/k/v fused, o, gate, up, down) multiply FP8 copies of
-    their weights with per-token FP8 activations (fp8_linear.py): half the weight bytes of
-    the bandwidth-bound 64-row GEMMs. Calls expert.quantize_fp8(), which keeps the
-    full-precision weights beside the copies (+1 byte per layer parameter).
-
     The max_shapes most recently used shapes keep their state (~0.5 GB per row at full size,
     T ~3100) and graph; older ones are dropped and rebuilt on demand. Valid while
-    the expert's parameters (and FP8 copies) stay where they are: a graph holds their
-    addresses.
+    the expert's parameters stay where they are: a graph holds their addresses.
     """
 
     def __init__(
@@ -172,7 +165,6 @@ class ExpertSampler:
         cuda_graphs: bool = True,
         compile_layers: bool = False,
         max_shapes: int = 4,
-        fp8: bool = False,
     ) -> None:
         if bucket < 1:
             raise ValueError(f"bucket: must be >= 1, got {bucket}")
@@ -183,14 +175,10 @@ class ExpertSampler:
         self.bucket = bucket
         self.device = expert.expert.norm.weight.device
         self.uses_cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.fp8 = fp8
         self._layer_step: LayerStep = prepared_layer_step
         if compile_layers:
             # One compile serves all layers: they differ only in weights, which are inputs.
             self._layer_step = torch.compile(prepared_layer_step, fullgraph=True, dynamic=False)
-        if fp8:
-            expert.quantize_fp8()
-            self._layer_step = functools.partial(self._layer_step, fp8=True)
         # Least recently used shape first; bounded so a long-running node with varying prompt
         # lengths keeps at most max_shapes states (and graphs) alive.
         self._runners: OrderedDict[tuple[int, int, int, float | None, bool], _Runner] = OrderedDict()

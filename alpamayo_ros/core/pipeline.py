@@ -36,8 +36,6 @@ from .types import DrivingInput, Plan, SamplingSettings
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("hf", "vllm")
-#: Weight formats of the action expert's sampler path besides the model dtype.
-EXPERT_QUANTIZATIONS = ("fp8",)
 #: Frames kept preprocessed across plans: two windows of 4 cameras x 4 frames.
 DEFAULT_FRAME_CACHE = 32
 
@@ -63,15 +61,8 @@ class Pipeline:
         *,
         device: torch.device,
         frame_cache: int = DEFAULT_FRAME_CACHE,
-        expert_quantization: str | None = None,
     ) -> None:
-        """frame_cache: frames kept preprocessed across plans (0: none).
-
-        expert_quantization: None (the model dtype) or "fp8": the expert sampler's linear
-        layers run on FP8 weight copies (ExpertSampler fp8; ~1 byte per expert parameter
-        more memory, as the full-precision weights stay).
-        """
-        _check_expert_quantization(expert_quantization)
+        """frame_cache: frames kept preprocessed across plans (0: none)."""
         self.config = config
         self.tokenizer = tokenizer
         self.backbone = backbone
@@ -89,10 +80,8 @@ class Pipeline:
         # GPU: padded length buckets so one captured CUDA graph (and compile) serves many
         # plans; CPU: exact lengths, eager.
         on_gpu = device.type == "cuda"
-        self.expert_quantization = expert_quantization
         self.expert_sampler = flow_matching.ExpertSampler(
-            expert, bucket=256 if on_gpu else 1, compile_layers=on_gpu,
-            fp8=expert_quantization == "fp8",
+            expert, bucket=256 if on_gpu else 1, compile_layers=on_gpu
         )
 
     @classmethod
@@ -105,17 +94,14 @@ class Pipeline:
         dtype: str | torch.dtype | None = None,
         backend_options: dict[str, Any] | None = None,
         frame_cache: int = DEFAULT_FRAME_CACHE,
-        expert_quantization: str | None = None,
     ) -> Pipeline:
         """Load config, tokenizer, expert and the chosen backbone from a checkpoint directory.
 
         dtype defaults to the checkpoint's model_dtype. backend_options go to the vLLM
-        backend's EngineOptions (the HF backend takes none). frame_cache,
-        expert_quantization: see __init__.
+        backend's EngineOptions (the HF backend takes none). frame_cache: see __init__.
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        _check_expert_quantization(expert_quantization)  # before the slow load
         config = AlpamayoConfig.from_checkpoint(path)
         device = torch.device(device)
         dtype = _dtype(dtype or config.model_dtype)
@@ -137,10 +123,7 @@ class Pipeline:
         logger.info(
             "loaded %s (%s backend, %s, %s) in %.1f s", path, backend, device, dtype, time.perf_counter() - started
         )
-        return cls(
-            config, tokenizer, backbone, expert, device=device, frame_cache=frame_cache,
-            expert_quantization=expert_quantization,
-        )
+        return cls(config, tokenizer, backbone, expert, device=device, frame_cache=frame_cache)
 
     def close(self) -> None:
         """Release the backend (the vLLM engine holds most of the GPU); the pipeline is unusable after."""
@@ -308,13 +291,6 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timings[stage] = (time.perf_counter() - start) * 1e3
-
-
-def _check_expert_quantization(value: str | None) -> None:
-    if value is not None and value not in EXPERT_QUANTIZATIONS:
-        raise ValueError(
-            f"expert_quantization: expected None or one of {EXPERT_QUANTIZATIONS}, got {value!r}"
-        )
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:

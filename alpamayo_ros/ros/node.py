@@ -351,7 +351,6 @@ class DriveNode(Node):
             self._pipeline = Pipeline.from_checkpoint(
                 settings.checkpoint_path, backend=settings.backend, device=settings.device,
                 dtype=settings.dtype, backend_options=settings.backend_options,
-                expert_quantization=settings.expert_quantization,
             )  # fmt: skip
             load_ms = (time.perf_counter() - started) * 1e3
             with self._lock:

@@ -108,13 +108,6 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ),
     ParamSpec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
     ParamSpec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
-    ParamSpec(
-        "expert.quantization",
-        "",
-        "Action expert sampler weights: fp8 (FP8 copies of its linear layers: faster GEMMs, ~1 byte per "
-        "expert parameter more memory; needs a GPU with FP8 GEMMs, e.g. Hopper); empty = model.dtype.",
-        choices=("", "fp8"),
-    ),
     # cameras
     ParamSpec(
         "cameras.topics",
@@ -330,7 +323,6 @@ class DriveSettings:
     dtype: str | None  # None: the checkpoint's dtype
     model_id: str
     backend_options: dict[str, Any]
-    expert_quantization: str | None  # None: the model dtype
     cameras: tuple[CameraInput, ...]
     frame_sync: FrameSyncConfig
     ego_history: EgoHistoryConfig
@@ -438,7 +430,6 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         dtype=model_dtype,
         model_id=v["model.id"] or os.path.basename(os.path.normpath(checkpoint)),
         backend_options=backend_options if v["model.backend"] == "vllm" else {},
-        expert_quantization=v["expert.quantization"] or None,
         cameras=cameras,
         frame_sync=frame_sync,
         ego_history=ego_history,
