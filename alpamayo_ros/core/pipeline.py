@@ -220,10 +220,12 @@ class Pipeline:
                 guidance_weight=settings.cfg_weight if guided else 1.0,
             )
         with self._timed(timings, "action"):
+            # On the host: a few hundred scalars through ~100 tiny ops and a small SPD solve
+            # take 0.2 ms there and ~3 ms as GPU kernel launches (bench/RESULTS.md).
             rows = settings.num_samples
-            hist_xyz = torch.from_numpy(inputs.ego_history_xyz).to(self.device).expand(rows, -1, -1)
-            hist_rot = torch.from_numpy(inputs.ego_history_rot).to(self.device).expand(rows, -1, -1, -1)
-            xyz, rot = self.action_space.action_to_traj(action.float(), hist_xyz, hist_rot)
+            hist_xyz = torch.from_numpy(inputs.ego_history_xyz).expand(rows, -1, -1)
+            hist_rot = torch.from_numpy(inputs.ego_history_rot).expand(rows, -1, -1, -1)
+            xyz, rot = self.action_space.action_to_traj(action.float().cpu(), hist_xyz, hist_rot)
         timings["total"] = (time.perf_counter() - total_start) * 1e3
         return Plan(
             xyz=xyz.float().cpu().numpy(),
