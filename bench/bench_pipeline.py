@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -95,8 +95,11 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)}
 
 
-def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int) -> dict:
-    """Time `runs` plans after `warmup`; per-stage percentiles from Plan.timings_ms."""
+def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, profile: Path | None = None) -> dict:
+    """Time `runs` plans after `warmup`; per-stage percentiles from Plan.timings_ms.
+
+    profile: then trace one more plan with torch.profiler and write its op tables there.
+    """
     settings = SamplingSettings(
         num_samples=1,
         temperature=0.0,
@@ -126,6 +129,8 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int) 
         for stage, ms in plan.timings_ms.items():
             stages.setdefault(stage, []).append(ms)
         stages.setdefault("wall", []).append(wall_ms)
+    if profile is not None:
+        write_profile(lambda: pipeline.plan(next(stream), settings), profile)
     result = {
         "stages_ms": {stage: percentiles(values) for stage, values in stages.items()},
         "generated_tokens": sorted(set(generated)),
@@ -190,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-mask", action="store_true",
                         help="vLLM: the <i*> mask as the TokenMask logits processor, not in the model (the default)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="after the timed runs, trace one more plan per backend (torch.profiler) and write its tables here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -242,7 +249,8 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         runs = args.runs if position == 0 else min(args.runs, args.compare_runs)
-        measured = run_backend(pipeline, workload, runs, args.warmup)
+        profile = args.profile_dir / f"{name}-{backend}-profile.txt" if args.profile_dir else None
+        measured = run_backend(pipeline, workload, runs, args.warmup, profile)
         measured["load_s"] = load_s
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
@@ -259,6 +267,26 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     encoded = len(workload.cameras) if workload.stream else images  # new frames per plan
     results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, encoded * 720)
     return results
+
+
+def write_profile(plan: Callable[[], object], path: Path) -> None:
+    """Where one plan's time goes: host ops and device kernels, with the pipeline's stage ranges."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        plan()
+    events = profiler.key_averages()
+    device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    tables = [
+        "# pipeline stages (record_function ranges) and host ops by total time",
+        events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90),
+        f"# ops and kernels by {device_sort}",
+        events.table(sort_by=device_sort, row_limit=60, max_name_column_width=90),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(tables))
+    logger.info("profile of one plan written to %s", path)
 
 
 def print_report(results: dict) -> None:

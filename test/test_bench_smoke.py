@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_pipeline.py"), "--smoke", "--backends", "hf",
-         "--runs", "2", "--warmup", "0", "--json-dir", str(tmp_path)],
+         "--runs", "2", "--warmup", "0", "--json-dir", str(tmp_path), "--profile-dir", str(tmp_path / "profile")],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -28,3 +28,5 @@ def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
     assert (report["backends"]["hf"]["frames_reused"], report["backends"]["hf"]["frames_preprocessed"]) == (6, 10)
     assert report["roofline_floor_ms"]["total"] > 0
     assert "| hf | total |" in result.stdout
+    profile = (tmp_path / "profile" / "smoke-hf-profile.txt").read_text()  # one traced plan, stage ranges named
+    assert all(f"pipeline.{stage}" in profile for stage in ("preprocess", "backbone", "expert", "action"))

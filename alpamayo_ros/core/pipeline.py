@@ -287,11 +287,13 @@ class Pipeline:
 
     @contextmanager
     def _timed(self, timings: dict[str, float], stage: str) -> Iterator[None]:
-        """Wall time of a stage in ms; waits for the device so GPU work is counted where it ran."""
+        """Wall time of a stage in ms; waits for the device so GPU work is counted where it ran.
+        Also a profiler range (`pipeline.<stage>`), for torch.profiler traces of a plan."""
         start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with torch.profiler.record_function(f"pipeline.{stage}"):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         timings[stage] = (time.perf_counter() - start) * 1e3
 
 
