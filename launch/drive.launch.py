@@ -46,6 +46,7 @@ PARAMETER_ARGUMENTS: dict[str, str] = {
     "navigation_topic": "navigation.topic",
     "output_frame": "output.frame",
     "planning_rate_hz": "planning.rate_hz",
+    "planning_trigger": "planning.trigger",
     "num_samples": "sampling.num_samples",
     "selection": "sampling.selection",
     "flow_steps": "sampling.flow_steps",

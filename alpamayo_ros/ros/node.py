@@ -5,7 +5,9 @@ diagnostics), and one worker thread loads the model, warms it up and runs one pl
 time. The planning tick only assembles an input and hands it to the worker, so no callback
 ever waits for inference.
 A tick that finds the worker busy is skipped and counted as an overrun: latest-only, so no
-backlog can build up. Every skipped tick, dropped message and failure is counted by reason
+backlog can build up. With planning.trigger = frames, the image callback that completes a newer
+frame set starts the plan itself when the worker is idle (no wait for a tick, so the input is
+as fresh as the cameras allow), and the ticks only report missing or stale input. Every skipped tick, dropped message and failure is counted by reason
 and reported in diagnostics; no callback exception can kill the node.
 """
 
@@ -133,6 +135,9 @@ class DriveNode(Node):
         self._camera_errors: dict[int, convert.ImageRejected] = {}
         self._last_tick_ns: int | None = None
         self._last_planned_t0_ns = -1
+        self._last_tried_t0_ns = -1  # frames trigger: each complete frame set gets one attempt
+        self._arrived_ns: dict[int, int] = {}  # frames trigger: node clock at each camera's newest frame
+        self._idle_since_ns = 0  # frames trigger: node clock when the worker last became free
         self._sampling = settings.sampling
         self._selection = settings.selection
         self._max_first_waypoint_error_m = settings.max_first_waypoint_error_m
@@ -168,7 +173,8 @@ class DriveNode(Node):
         self._markers_pub = self.create_publisher(MarkerArray, "~/debug/markers", output_qos)
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", output_qos)
 
-        self.create_timer(settings.planning_period_s, partial(self._guarded, self._on_planning_tick))
+        on_tick = self._on_planning_tick if settings.planning_trigger == "timer" else self._on_watchdog_tick
+        self.create_timer(settings.planning_period_s, partial(self._guarded, on_tick))
         self.create_timer(settings.diagnostics_period_s, partial(self._guarded, self._publish_diagnostics))
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.add_post_set_parameters_callback(self._after_set_parameters)
@@ -209,6 +215,30 @@ class DriveNode(Node):
             self._camera_errors.pop(camera.index, None)
             self._frame_sync.add(camera.index, stamp_ns, rgb)
             self._stats.frames += 1
+            self._arrived_ns[camera.index] = self._now_ns()
+            fresh_t0_ns = self._fresh_set_t0() if self.settings.planning_trigger == "frames" else None
+            if fresh_t0_ns is not None:
+                self._last_tried_t0_ns = fresh_t0_ns
+        if fresh_t0_ns is not None:
+            self._on_planning_tick()
+
+    def _fresh_set_t0(self) -> int | None:
+        """The t0 of a frame set to plan now: every camera's newest frame arrived after the
+        worker became free (so a set that completed during the last plan waits for its
+        successor instead of going out stale), and that t0 was not tried yet.
+
+        t0 is the lagging camera's newest stamp, as FrameSync.select picks it. Arrival times
+        are on the node's clock, so camera stamps need not be. The caller holds the lock.
+        """
+        if self._busy or self._stats.state != "ready":
+            return None
+        if any(self._arrived_ns.get(c.index, -1) < self._idle_since_ns for c in self.settings.cameras):
+            return None
+        newest = self._frame_sync.newest_stamps().values()
+        if None in newest:
+            return None
+        t0_ns = min(newest)
+        return t0_ns if t0_ns > max(self._last_tried_t0_ns, self._last_planned_t0_ns) else None
 
     def _on_odometry(self, msg: Odometry) -> None:
         stamp_ns, xyz, quat = convert.odometry_pose(msg)
@@ -235,15 +265,44 @@ class DriveNode(Node):
         elif reason_changed:
             self._publish_diagnostics()  # every new reason reaches diagnostics, not just the 1 Hz sample
 
-    def _take_tick(self, now_ns: int) -> PlanJob | tuple[str, str] | None:
-        """Decide one tick under the lock: a job for the worker, a rejection, or nothing to do."""
-        self._stats.ticks += 1
+    def _on_watchdog_tick(self) -> None:
+        """planning.trigger = frames: report missing, stale or unsynced cameras (the frames start
+        the plans). Frame selection only: no images are stacked."""
+        now_ns = self._now_ns()
+        with self._lock:
+            self._check_clock(now_ns)
+            if self._stats.state != "ready" or self._busy:
+                return
+            problem = self._camera_error()
+            if problem is None:
+                frames = self._frame_sync.select(now_ns=now_ns)
+                if isinstance(frames, Rejection):
+                    if frames.reason is RejectReason.TIME_BACKWARDS:
+                        self._forget_t0s()
+                    problem = frames.reason.value, frames.detail
+            reason_changed = problem is not None and self._record_rejection(*problem)
+        if reason_changed:
+            self._publish_diagnostics()
+
+    def _check_clock(self, now_ns: int) -> None:
+        """A node clock that went back (a looping bag under use_sim_time) clears all input."""
         if self._last_tick_ns is not None and now_ns < self._last_tick_ns:
             detail = f"node clock went back {(self._last_tick_ns - now_ns) / 1e9:.3f} s"
             self._frame_sync.reset(detail)
             self._odometry.reset(detail)
-            self._last_planned_t0_ns = -1
+            self._forget_t0s()
         self._last_tick_ns = now_ns
+
+    def _forget_t0s(self) -> None:
+        """After time went back: the new timeline's times are all smaller than the ones seen."""
+        self._last_planned_t0_ns = self._last_tried_t0_ns = -1
+        self._idle_since_ns = 0
+        self._arrived_ns.clear()
+
+    def _take_tick(self, now_ns: int) -> PlanJob | tuple[str, str] | None:
+        """Decide one tick under the lock: a job for the worker, a rejection, or nothing to do."""
+        self._stats.ticks += 1
+        self._check_clock(now_ns)
         if self._stats.state != "ready":
             return None
         if self._busy:
@@ -252,7 +311,7 @@ class DriveNode(Node):
         assembled = self._assemble(now_ns)
         if isinstance(assembled, Rejection):
             if assembled.reason is RejectReason.TIME_BACKWARDS:
-                self._last_planned_t0_ns = -1  # the new timeline's t0s are all smaller
+                self._forget_t0s()  # the new timeline's t0s are all smaller
             return assembled.reason.value, assembled.detail
         if isinstance(assembled, tuple):
             return assembled
@@ -271,16 +330,23 @@ class DriveNode(Node):
 
     def _assemble(self, now_ns: int) -> Assembly | Rejection | tuple[str, str]:
         """Build the input under the lock; a camera whose newest message was bad blocks planning."""
-        for camera in self.settings.cameras:
-            error = self._camera_errors.get(camera.index)
-            if error is not None:
-                return error.reason, f"camera {camera.index} ({camera.topic}): {error.detail}"
+        camera_error = self._camera_error()
+        if camera_error is not None:
+            return camera_error
         route_text = None
         if self._route is not None:
             text, arrived_ns = self._route
             max_age_ns = self.settings.navigation_max_age_ns
             route_text = text if max_age_ns == 0 or now_ns - arrived_ns <= max_age_ns else None
         return build_driving_input(self._frame_sync, self._odometry, now_ns=now_ns, route_text=route_text)
+
+    def _camera_error(self) -> tuple[str, str] | None:
+        """(reason, detail) of the first camera whose newest message was bad (caller holds the lock)."""
+        for camera in self.settings.cameras:
+            error = self._camera_errors.get(camera.index)
+            if error is not None:
+                return error.reason, f"camera {camera.index} ({camera.topic}): {error.detail}"
+        return None
 
     def _record_rejection(self, reason: str, detail: str) -> bool:
         """Count a skipped plan (caller holds the lock); True when the reason is new."""
@@ -335,6 +401,7 @@ class DriveNode(Node):
                 finally:
                     with self._lock:
                         self._busy = False
+                        self._idle_since_ns = self._now_ns()
         except Exception as exc:  # noqa: BLE001 - only publishing after shutdown gets here
             if not self._stopping:
                 self.get_logger().error(f"inference worker stopped: {exc!r}")
@@ -373,6 +440,7 @@ class DriveNode(Node):
             return False
         with self._lock:
             self._stats.warmup_ms, self._stats.state = warmup_ms, "ready"
+            self._idle_since_ns = self._now_ns()
         self.get_logger().info(f"warm-up plan took {warmup_ms:.0f} ms; ready")
         self._publish_diagnostics()
         return True

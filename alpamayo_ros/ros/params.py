@@ -30,6 +30,7 @@ DURABILITIES = ("volatile", "transient_local")
 TRANSPORTS = ("raw", "compressed")
 SELECTIONS = ("first", "medoid", "all")
 OUTPUT_FRAMES = ("ego", "odom")
+TRIGGERS = ("timer", "frames")
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -230,6 +231,14 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         minimum=0.1,
         maximum=100.0,
     ),
+    ParamSpec(
+        "planning.trigger",
+        "timer",
+        "timer: plan on each planning tick. frames: plan as soon as a newer complete frame set"
+        " arrives while inference is idle (freshest input); the ticks then only report missing or"
+        " stale input.",
+        choices=TRIGGERS,
+    ),
     ParamSpec("sampling.num_samples", 1, "Trajectory samples per plan.", minimum=1, maximum=64, dynamic=True),
     ParamSpec(
         "sampling.selection",
@@ -333,6 +342,7 @@ class DriveSettings:
     output_frame: str
     ego_frame_id: str
     planning_period_s: float
+    planning_trigger: str
     sampling: SamplingSettings
     selection: str
     max_first_waypoint_error_m: float
@@ -440,6 +450,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         output_frame=v["output.frame"],
         ego_frame_id=v["output.ego_frame_id"],
         planning_period_s=1.0 / v["planning.rate_hz"],
+        planning_trigger=v["planning.trigger"],
         sampling=sampling_settings(v),
         selection=v["sampling.selection"],
         max_first_waypoint_error_m=float(v["gates.max_first_waypoint_error_m"]),
