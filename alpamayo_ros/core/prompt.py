@@ -39,7 +39,7 @@ class CallerText(NamedTuple):
     source: str  # input name, e.g. "route_text"
 
 
-Piece = str | int | CallerText  # fixed text, one token id, or caller text
+Piece = str | int | tuple[int, ...] | CallerText  # fixed text, token id(s), or caller text
 
 
 def _image_pieces(
@@ -65,7 +65,7 @@ def _image_pieces(
         pieces.append(f"{CAMERAS[camera_index][1]}: ")
         for frame in range(frames_per_camera):
             count = tokens_per_image[camera_number * frames_per_camera + frame]
-            pieces += [f"frame {frame} ", ids.vision_start, *([ids.image_pad] * count), ids.vision_end]
+            pieces += [f"frame {frame} ", ids.vision_start, (ids.image_pad,) * count, ids.vision_end]
     return pieces
 
 
@@ -84,7 +84,10 @@ def _encode(tokenizer: AlpamayoTokenizer, pieces: Sequence[Piece]) -> list[int]:
             if text:
                 out += tokenizer.encode_text("".join(text), source=source)
                 text, source = [], "prompt text"
-            out.append(piece)
+            if isinstance(piece, tuple):  # an image's placeholder run: one piece, not thousands
+                out.extend(piece)
+            else:
+                out.append(piece)
     if text:
         out += tokenizer.encode_text("".join(text), source=source)
     return out
