@@ -41,8 +41,8 @@ def stopping_backbone(tiny_checkpoint: Path, prompt: PromptInputs) -> HFBackbone
         hidden = model.model(
             input_ids=prompt.input_ids[None],
             position_ids=prompt.position_ids[:, None],
-            pixel_values=prompt.pixel_values,
-            image_grid_thw=prompt.image_grid_thw,
+            pixel_values=prompt.images.patches("cpu", torch.float32),
+            image_grid_thw=prompt.images.image_grid_thw,
         ).last_hidden_state[0]
     direction = hidden.mean(dim=0) / hidden.mean(dim=0).norm()
     typical = (hidden @ direction).mean()
@@ -99,8 +99,8 @@ def reference_generate(
         )
     out = backbone.model.generate(
         input_ids=prompt.input_ids[None],
-        pixel_values=prompt.pixel_values,
-        image_grid_thw=prompt.image_grid_thw,
+        pixel_values=prompt.images.patches("cpu", torch.float32),
+        image_grid_thw=prompt.images.image_grid_thw,
         mm_token_type_ids=(prompt.input_ids == ids.image_pad).int()[None],
         max_new_tokens=max_new_tokens,
         num_return_sequences=num_samples,
@@ -212,8 +212,8 @@ def test_prefill_equals_a_plain_forward(pipeline: Pipeline, prompt: PromptInputs
         with torch.inference_mode():
             out = backbone.model(
                 input_ids=full[None],
-                pixel_values=prompt.pixel_values,
-                image_grid_thw=prompt.image_grid_thw,
+                pixel_values=prompt.images.patches("cpu", torch.float32),
+                image_grid_thw=prompt.images.image_grid_thw,
                 mm_token_type_ids=(full == backbone.tokenizer.ids.image_pad).int()[None],
                 use_cache=True,
             )

@@ -10,7 +10,7 @@ import torch
 
 from alpamayo_ros.core.frame_cache import FrameCache, frame_key
 from alpamayo_ros.core.pipeline import Pipeline
-from alpamayo_ros.core.preprocess import VisionGeometry, preprocess_frames
+from alpamayo_ros.core.preprocess import VisionGeometry, preprocess_frames, smart_resize
 from alpamayo_ros.core.types import DrivingInput, SamplingSettings
 
 CPU = torch.device("cpu")
@@ -34,7 +34,7 @@ def _frames(count: int, seed: int) -> np.ndarray:
 
 
 def test_reused_frames_equal_fresh_preprocessing() -> None:
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=8)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=8)
     frames = _frames(5, seed=0)
     keys = [f"f{i}" for i in range(5)]
     cache.preprocess(frames[:4], keys[:4])
@@ -42,13 +42,13 @@ def test_reused_frames_equal_fresh_preprocessing() -> None:
     second = cache.preprocess(frames[1:], keys[1:])
     assert (cache.hits, cache.misses) == (3, 5)
     fresh = preprocess_frames(frames[1:], VisionGeometry())
-    assert torch.equal(second.pixel_values, fresh.pixel_values)
+    assert torch.equal(second.frames, fresh.frames)
     assert torch.equal(second.image_grid_thw, fresh.image_grid_thw)
     assert second.keys == tuple(keys[1:])
 
 
 def test_least_recently_used_frames_are_evicted_and_zero_keeps_none() -> None:
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=3)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=3)
     frames = _frames(4, seed=1)
     cache.preprocess(frames[:3], ["a", "b", "c"])
     cache.preprocess(frames[:1], ["a"])  # a is now the most recent
@@ -59,30 +59,38 @@ def test_least_recently_used_frames_are_evicted_and_zero_keeps_none() -> None:
     cache.preprocess(frames[1:2], ["b"])
     assert cache.misses == misses + 1 and len(cache) == 3
 
-    none = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=0)
+    none = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=0)
     none.preprocess(frames[:2], ["a", "b"])
     none.preprocess(frames[:2], ["a", "b"])
     assert (none.hits, none.misses, len(none)) == (0, 4, 0)
 
 
-def test_patches_are_stored_in_the_backends_dtype() -> None:
-    frames = _frames(2, seed=4)
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.bfloat16, capacity=2)
-    stored = cache.preprocess(frames, ["a", "b"])
-    assert stored.pixel_values.dtype == torch.bfloat16
-    # the cast the vision tower would make first: nothing else changes
-    assert torch.equal(stored.pixel_values, preprocess_frames(frames, VisionGeometry()).pixel_values.bfloat16())
+def test_frames_are_stored_resized_uint8_and_reused_ones_give_identical_patches() -> None:
+    """The cache holds (3, h, w) uint8 frames, not patches; patches of a reused frame are the
+    fresh frame's patches, bit for bit, in any vision-tower dtype."""
+    geometry = VisionGeometry()
+    frames = _frames(3, seed=4)
+    cache = FrameCache(geometry, compute_device=CPU, store_device=CPU, capacity=4)
+    first = cache.preprocess(frames[:2], ["a", "b"])
+    size = smart_resize(*frames.shape[1:3], geometry)
+    assert first.frames.dtype == torch.uint8 and first.frames.shape == (2, 3, *size)
+    assert all(entry.dtype == torch.uint8 and entry.shape == (3, *size) for entry in cache._entries.values())
+    reused = cache.preprocess(frames[1:], ["b", "c"])
+    assert (cache.hits, cache.misses) == (1, 3)
+    fresh = preprocess_frames(frames[1:], geometry)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(reused.patches(CPU, dtype), fresh.patches(CPU, dtype))
 
 
 def test_bad_keys_are_rejected_by_name() -> None:
-    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=4)
+    cache = FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=4)
     frames = _frames(2, seed=2)
     with pytest.raises(ValueError, match="keys: 1 keys for 2 frames"):
         cache.preprocess(frames, ["a"])
     with pytest.raises(ValueError, match="keys: the same frame key twice"):
         cache.preprocess(frames, ["a", "a"])
     with pytest.raises(ValueError, match="capacity"):
-        FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, store_dtype=torch.float32, capacity=-1)
+        FrameCache(VisionGeometry(), compute_device=CPU, store_device=CPU, capacity=-1)
     assert len(cache) == 0  # nothing half-stored
 
 

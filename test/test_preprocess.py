@@ -1,4 +1,5 @@
-"""Image preprocessing equals transformers' Qwen2-VL image processor, bit for bit."""
+"""Image preprocessing (resize here, patches where the vision tower runs) equals transformers'
+Qwen2-VL image processor, bit for bit."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from alpamayo_ros.core.preprocess import VisionGeometry, preprocess_frames, resize_frames, smart_resize
+from alpamayo_ros.core.preprocess import (
+    PreprocessedImages,
+    VisionGeometry,
+    preprocess_frames,
+    resize_frames,
+    smart_resize,
+)
 
 GEOMETRY = VisionGeometry()  # Alpamayo 1.5: patch 16, merge 2, pixels 163840..196608
 
@@ -41,9 +48,12 @@ def test_matches_transformers_bit_for_bit(height: int, width: int, resized: tupl
     )
     assert smart_resize(height, width, GEOMETRY) == resized
     assert ours.image_grid_thw.tolist() == reference["image_grid_thw"].tolist() == [[1, *grid]] * 2
-    assert ours.pixel_values.dtype == torch.float32
-    assert ours.pixel_values.shape == (2 * grid[0] * grid[1], 1536)
-    assert torch.equal(ours.pixel_values, reference["pixel_values"])
+    assert ours.frames.dtype == torch.uint8 and ours.frames.shape == (2, 3, *resized)
+    patches = ours.patches("cpu", torch.float32)
+    assert patches.shape == (2 * grid[0] * grid[1], 1536)
+    assert torch.equal(patches, reference["pixel_values"])
+    # made in a vision tower's dtype: exactly the cast the tower would apply to the reference
+    assert torch.equal(ours.patches("cpu", torch.bfloat16), reference["pixel_values"].bfloat16())
     assert ours.tokens_per_image == [grid[0] * grid[1] // 4] * 2
 
 
@@ -69,8 +79,9 @@ def test_frames_already_at_size_are_not_resampled() -> None:
     assert ours.image_grid_thw.tolist() == [[1, 20, 36]]
     # patch 0 holds the top-left 16x16 pixels of channel 0, twice (temporal patch of a still image)
     first = (torch.from_numpy(frames[0, :16, :16, 0]).float() - 127.5) / 127.5
-    assert torch.equal(ours.pixel_values[0, :256].view(16, 16), first)
-    assert torch.equal(ours.pixel_values[0, 256:512].view(16, 16), first)
+    patches = ours.patches("cpu", torch.float32)
+    assert torch.equal(patches[0, :256].view(16, 16), first)
+    assert torch.equal(patches[0, 256:512].view(16, 16), first)
 
 
 def test_bad_frames_are_rejected_by_name() -> None:
@@ -84,3 +95,5 @@ def test_bad_frames_are_rejected_by_name() -> None:
         smart_resize(10, 4000, GEOMETRY)
     with pytest.raises(ValueError, match="min_pixels"):
         VisionGeometry(min_pixels=10, max_pixels=5)
+    with pytest.raises(ValueError, match=r"frames: expected uint8 \(N, 3, h, w\) with sides multiples of 32"):
+        PreprocessedImages(frames=torch.zeros((1, 3, 32, 48), dtype=torch.uint8), geometry=GEOMETRY, keys=("a",))

@@ -307,7 +307,7 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
     hits = vllm_pipeline.frames.hits
     prompt = vllm_pipeline.driving_prompt(second, vllm_pipeline.preprocess(second))
     assert vllm_pipeline.frames.hits - hits == 6
-    shared = set(first_prompt.image_keys) & set(prompt.image_keys)
+    shared = set(first_prompt.images.keys) & set(prompt.images.keys)
     assert len(shared) == 6
     assert shared <= vllm_adapter.encoder_cache_keys(vllm_pipeline.backbone._llm)
     ours = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
@@ -315,6 +315,27 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
     reference = hf_pipeline.backbone.rollout(hf_prompt, generator=torch.Generator(), **args)
     assert ours.generated_ids == reference.generated_ids
     _assert_cache_close(ours.cache, reference.cache, [ours.cache.length])
+
+
+def test_profiling_images_take_the_request_path(vllm_pipeline) -> None:
+    """vLLM's startup profiling gets its dummy images in our request form (resized uint8 frames;
+    its image processor never runs) and encodes them through the model's own patchify."""
+    from alpamayo_ros.core import vllm_adapter
+
+    def encode(worker) -> tuple[dict, list]:
+        runner = worker.model_runner
+        with torch.inference_mode():
+            batch = runner._get_mm_dummy_batch("image", 2)  # what profile_run encodes
+            outputs = runner.get_model().embed_multimodal(**batch)
+        fields = {key: (value.dtype, tuple(value.shape)) for key, value in batch.items()}
+        return fields, [tuple(output.shape) for output in outputs]
+
+    ((fields, outputs),) = vllm_pipeline.backbone._llm.collective_rpc(encode)
+    assert set(fields) == {vllm_adapter.FRAMES_FIELD, "image_grid_thw"}
+    dtype, (count, channels, height, width) = fields[vllm_adapter.FRAMES_FIELD]
+    assert (dtype, count, channels) == (torch.uint8, 2, 3)
+    tokens = height * width // vllm_pipeline.config.vision.factor**2  # one per merged patch window
+    assert [shape[0] for shape in outputs] == [tokens] * 2
 
 
 # -- the <i*> mask: in the model (default) or as the TokenMask logits processor ------------

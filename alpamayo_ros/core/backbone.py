@@ -12,6 +12,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .preprocess import PreprocessedImages
+
 
 @dataclass
 class PromptInputs:
@@ -19,18 +21,16 @@ class PromptInputs:
 
     input_ids: (T,) int64; image placeholders already expanded to one <|image_pad|> per
         merged patch and the 48 history placeholders already replaced by history tokens.
-    pixel_values: (num_patches, 3*2*16*16) float, Qwen3-VL patch layout, on any device.
-    image_grid_thw: (num_images, 3) int64 (t, h, w) in patches.
-    image_keys: one name per image, same order as the image blocks in input_ids; equal
-        names mean equal pixels, so a backend may reuse per-image work (vLLM's encoder cache).
+    images: the resized uint8 frames, same order as the image blocks in input_ids, on any
+        device; the backend makes their patches where its vision tower runs. Their keys name
+        the images: equal names mean equal pixels, so a backend may reuse per-image work
+        (vLLM's encoder cache).
     position_ids: (3, T) int64 M-RoPE positions of the prompt.
     rope_delta: next M-RoPE position minus T (negative with images).
     """
 
     input_ids: torch.Tensor
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
-    image_keys: tuple[str, ...]
+    images: PreprocessedImages
     position_ids: torch.Tensor
     rope_delta: int
 
@@ -82,11 +82,9 @@ class Backbone(Protocol):
     """A Qwen3-VL backbone with Alpamayo's extended vocabulary."""
 
     name: str
-    #: where the backend wants pixel patches: its compute device, or the host for a backend
-    #: that uploads only the images it has to encode (vLLM)
+    #: where the backend wants the preprocessed (resized uint8) frames: its compute device,
+    #: or the host for a backend that uploads only the images it has to encode (vLLM)
     pixel_device: torch.device
-    #: the vision tower's dtype, to which the backend casts patches first
-    pixel_dtype: torch.dtype
 
     def rollout(
         self,

@@ -71,10 +71,6 @@ class HFBackbone:
     def pixel_device(self) -> torch.device:
         return self.device
 
-    @property
-    def pixel_dtype(self) -> torch.dtype:
-        return self.model.model.visual.dtype
-
     @torch.inference_mode()
     def rollout(
         self,
@@ -219,8 +215,9 @@ class HFBackbone:
         outputs = self.model(
             input_ids=prompt.input_ids[None].to(self.device),
             position_ids=prompt.position_ids[:, None].to(self.device),
-            pixel_values=prompt.pixel_values.to(self.device),
-            image_grid_thw=prompt.image_grid_thw.to(self.device),
+            # patches made here, on the device and in the dtype of the vision tower
+            pixel_values=prompt.images.patches(self.device, self.model.model.visual.dtype),
+            image_grid_thw=prompt.images.image_grid_thw.to(self.device),
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_kwarg: cache},

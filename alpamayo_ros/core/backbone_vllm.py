@@ -1,8 +1,8 @@
 """The Qwen3-VL backbone on vLLM, in-process, handing its paged K/V cache to the expert.
 
 Same contract as the HF backend (core.backbone.Backbone): our own prompt ids and
-preprocessed patches go in, reasoning ids and a PrefixCache come out. vLLM internals are
-touched only through core.vllm_adapter.
+preprocessed (resized uint8) frames go in, reasoning ids and a PrefixCache come out. vLLM
+internals are touched only through core.vllm_adapter.
 
 Each sample is its own vLLM request (n=1, seed = base seed + row), so rows never wait for
 each other. A row ends when it samples `<|im_end|>` (kept), at max_new_tokens, or one token
@@ -69,15 +69,10 @@ class EngineOptions:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib: must be > 0, got {self.kv_cache_gib}")
-        self.torch_dtype  # noqa: B018 (validates the name)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """dtype as a torch dtype (vLLM also accepts the aliases half and float)."""
+        # a floating torch dtype name (vLLM also accepts the aliases half and float)
         dtype = getattr(torch, {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating torch dtype name, got {self.dtype!r}")
-        return dtype
 
 
 #: The instance whose engine is open in this process, if any (see VLLMBackbone.__init__).
@@ -89,7 +84,7 @@ class VLLMBackbone:
     instance per process)."""
 
     name = "vllm"
-    #: vLLM uploads the patches of the images it has to encode; the rest stay on the host
+    #: vLLM uploads the frames of the images it has to encode; the rest stay on the host
     pixel_device = torch.device("cpu")
 
     def __init__(self, config: AlpamayoConfig, token_ids: TokenIds, options: EngineOptions = EngineOptions()) -> None:
@@ -123,7 +118,6 @@ class VLLMBackbone:
         self._llm = vllm_adapter.create_engine(model_dir, self._sink, options)
         _open_backbone = weakref.ref(self)
         self.options = options
-        self.pixel_dtype = options.torch_dtype
 
     def close(self) -> None:
         """Shut the engine down (the instance is unusable afterwards)."""
@@ -279,8 +273,9 @@ class VLLMBackbone:
         """vLLM inputs for prompt + each row: our ids, each image block collapsed to one pad.
 
         vLLM's Qwen3-VL processor re-expands every <|image_pad|> from the grid it is given
-        (checked against our ids after the run). The frames go in as our own patches, so
-        vLLM's image processor never runs; all rows share one host copy of them.
+        (checked against our ids after the run). The frames go in resized (uint8), so vLLM's
+        image processor never runs; our model class there patchifies them on the GPU. All
+        rows share one host copy of them.
         """
         pad = self._ids.image_pad
         if any(pad in row for row in rows):
@@ -289,10 +284,10 @@ class VLLMBackbone:
         collapsed = [token for i, token in enumerate(ids) if token != pad or i == 0 or ids[i - 1] != pad]
         # NOTE: the image keys become vLLM's multimodal ids: its vision-encoder cache then
         # encodes a frame once for all the plans (and the nav-CFG prefill) that show it, and
-        # vLLM never hashes the ~70 MB of patches itself. Patches arrive on the host (see
-        # pixel_device): vLLM batches multimodal inputs there and uploads only what it encodes.
-        images = {"image": {"pixel_values": prompt.pixel_values.cpu(), "image_grid_thw": prompt.image_grid_thw.cpu()}}
-        keys = {"image": list(prompt.image_keys)}
+        # vLLM never hashes the frames itself. Frames arrive on the host (see pixel_device):
+        # vLLM batches multimodal inputs there and uploads only what it encodes.
+        images = {"image": self._adapter.frame_inputs(prompt.images)}
+        keys = {"image": list(prompt.images.keys)}
         return [
             {"prompt_token_ids": collapsed + list(row), "multi_modal_data": images, "multi_modal_uuids": keys}
             for row in rows

@@ -1,10 +1,10 @@
 """Preprocessed camera frames, kept across plans so each frame is preprocessed once.
 
 Consecutive plans see overlapping windows (4 frames per camera, one new per camera at a
-10 Hz plan rate), so most of a plan's frames were already resized and patchified for the
-previous plan. Each frame gets a key (camera, capture stamp, content fingerprint); the key
-also names the image to the backend, whose own caches (vLLM's vision-encoder cache) then
-encode a frame once as well.
+10 Hz plan rate), so most of a plan's frames were already resized for the previous plan.
+Each frame gets a key (camera, capture stamp, content fingerprint); the key also names the
+image to the backend, whose own caches (vLLM's vision-encoder cache) then encode a frame
+once as well.
 """
 
 from __future__ import annotations
@@ -35,41 +35,33 @@ def frame_key(camera: int, stamp_ns: int, image: np.ndarray) -> str:
 
 
 class FrameCache:
-    """Least-recently-used per-frame patches, where and how the backend wants them.
+    """Least-recently-used resized frames (uint8 (3, h, w) each), where the backend wants them.
 
-    Frames are preprocessed on `compute_device` (the GPU when there is one) and stored on
-    `store_device` in `store_dtype` (the backend's pixel_device / pixel_dtype: the GPU for
-    HF; host memory for vLLM, which uploads only the images it has to encode). Storing in the
-    vision tower's dtype changes nothing numerically (both backends cast patches to it first)
-    and halves every copy in bf16.
+    Frames are resized on `compute_device` (the GPU when there is one) and stored on
+    `store_device` (the backend's pixel_device: the GPU for HF; host memory for vLLM, which
+    uploads only the frames it has to encode). Stored frames stay uint8: the backend makes
+    the 4-8x larger patches itself, right before its vision tower.
     capacity: frames kept; 0 keeps nothing (every plan preprocesses all its frames).
     """
 
     def __init__(
-        self,
-        geometry: VisionGeometry,
-        *,
-        compute_device: torch.device,
-        store_device: torch.device,
-        store_dtype: torch.dtype,
-        capacity: int,
+        self, geometry: VisionGeometry, *, compute_device: torch.device, store_device: torch.device, capacity: int
     ) -> None:
         if capacity < 0:
             raise ValueError(f"capacity: must be >= 0, got {capacity}")
         self.geometry = geometry
         self.compute_device = compute_device
         self.store_device = store_device
-        self.store_dtype = store_dtype
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # key -> (patches, grid row)
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # key -> resized uint8 (3, h, w)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def preprocess(self, frames: np.ndarray, keys: Sequence[str]) -> PreprocessedImages:
-        """Patches of uint8 frames (N, H, W, 3) named by keys, computing only unseen ones."""
+        """uint8 frames (N, H, W, 3) named by keys, resized; only unseen ones are computed."""
         if len(keys) != len(frames):
             raise ValueError(f"keys: {len(keys)} keys for {len(frames)} frames")
         if len(set(keys)) != len(keys):
@@ -77,32 +69,26 @@ class FrameCache:
         missing = [i for i, key in enumerate(keys) if key not in self._entries]
         self.hits += len(keys) - len(missing)
         self.misses += len(missing)
-        fresh: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        fresh: dict[str, torch.Tensor] = {}
         if missing:
             batch = preprocess_frames(self._upload(frames, missing), self.geometry, keys=[keys[i] for i in missing])
-            patches = batch.pixel_values.to(self.store_device, self.store_dtype)
-            per_image = int(batch.image_grid_thw[0].prod())
-            grid = batch.image_grid_thw.to(self.store_device)
-            for row, key in enumerate(batch.keys):
-                fresh[key] = (patches[row * per_image : (row + 1) * per_image], grid[row])
-        parts = [fresh[key] if key in fresh else self._entries[key] for key in keys]
+            fresh = dict(zip(batch.keys, batch.frames.to(self.store_device)))
         result = PreprocessedImages(
-            pixel_values=self._concat([patches for patches, _ in parts]),
-            image_grid_thw=torch.stack([grid for _, grid in parts]),
-            merge_size=self.geometry.merge_size,
+            frames=self._stack([fresh[key] if key in fresh else self._entries[key] for key in keys]),
+            geometry=self.geometry,
             keys=tuple(keys),
         )
         self._remember(keys, fresh)
         return result
 
-    def _concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """All patches of a request in one tensor. Host-side next to a GPU, in pinned memory:
-        its allocator reuses blocks (no page faults on tens of MB per plan) and the backend's
-        upload of the images it encodes runs at full bus speed."""
+    def _stack(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """All frames of a request in one tensor. Host-side next to a GPU, in pinned memory:
+        its allocator reuses blocks (no page faults per plan) and the backend's upload of the
+        frames it encodes runs at full bus speed."""
         if not (self.store_device.type == "cpu" and self.compute_device.type == "cuda"):
-            return torch.cat(parts)
-        out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
-        return torch.cat(parts, out=out)
+            return torch.stack(parts)
+        out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=True)
+        return torch.stack(parts, out=out)
 
     def _upload(self, frames: np.ndarray, indices: list[int]) -> torch.Tensor:
         """frames[indices] as one uint8 batch on the compute device, without a host-side gather."""
@@ -113,7 +99,7 @@ class FrameCache:
             batch[row].copy_(torch.from_numpy(np.ascontiguousarray(frames[index])))
         return batch
 
-    def _remember(self, keys: Sequence[str], fresh: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _remember(self, keys: Sequence[str], fresh: dict[str, torch.Tensor]) -> None:
         if self.capacity == 0:
             return
         for key in keys:

@@ -74,7 +74,6 @@ class Pipeline:
             config.vision,
             compute_device=device,
             store_device=backbone.pixel_device,
-            store_dtype=backbone.pixel_dtype,
             capacity=frame_cache,
         )
         # GPU: padded length buckets so one captured CUDA graph (and compile) serves many
@@ -134,8 +133,8 @@ class Pipeline:
     # -- inputs --------------------------------------------------------------------------
 
     def preprocess(self, inputs: DrivingInput) -> PreprocessedImages:
-        """All frames, camera-major then oldest first, as vision-tower inputs (frames seen by
-        an earlier plan come from the frame cache)."""
+        """All frames, camera-major then oldest first, resized for the vision tower (frames
+        seen by an earlier plan come from the frame cache)."""
         cameras, frames = inputs.images.shape[:2]
         flat = inputs.images.reshape(cameras * frames, *inputs.images.shape[2:])
         keys = [

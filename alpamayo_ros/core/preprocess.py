@@ -3,6 +3,10 @@
 Numerically the same as transformers' torchvision-backed Qwen2-VL image processor (which
 upstream uses through the Qwen3-VL processor), but it takes one uint8 batch of frames on any
 device (no PIL, no per-image Python loop), so on a GPU the whole step is a few kernels.
+
+It happens in two places: frames are resized here (the form that is cached and moved: uint8,
+a quarter of the bytes of bf16 patches), and normalised and patchified where the vision tower
+runs (PreprocessedImages.patches, frames_to_patches).
 """
 
 from __future__ import annotations
@@ -53,24 +57,49 @@ class VisionGeometry:
 
 @dataclass
 class PreprocessedImages:
-    """Frames ready for the vision tower.
+    """Frames resized for the vision tower, still uint8: the form that is cached and moved.
 
-    pixel_values: float32 (num_images * grid_h * grid_w, patch_dim), Qwen3-VL patch order.
-    image_grid_thw: int64 (num_images, 3), (1, grid_h, grid_w) in patches.
-    merge_size: patches merged per side into one LLM token.
+    Patches hold every pixel twice (the temporal patch of a still image) in a float dtype,
+    4x the bytes in bf16 and 8x in float32, so patches() makes them on the vision tower's
+    device, right before it runs.
+    frames: uint8 (num_images, 3, h, w); h and w multiples of geometry.factor (smart_resize).
+    geometry: how the frames become patches and tokens.
     keys: one name per image; equal keys mean equal pixels, so backends may cache per key
         (see core.frame_cache).
     """
 
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
-    merge_size: int
+    frames: torch.Tensor
+    geometry: VisionGeometry
     keys: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        factor, shape = self.geometry.factor, tuple(self.frames.shape)
+        aligned = len(shape) == 4 and shape[1] == 3 and shape[2] % factor == 0 and shape[3] % factor == 0
+        if self.frames.dtype != torch.uint8 or not aligned:
+            raise ValueError(
+                f"frames: expected uint8 (N, 3, h, w) with sides multiples of {factor}, got {self.frames.dtype} {shape}"
+            )
+
+    @property
+    def image_grid_thw(self) -> torch.Tensor:
+        """int64 (num_images, 3) on the host: (1, grid_h, grid_w) in patches per image."""
+        n, _, height, width = self.frames.shape
+        p = self.geometry.patch_size
+        return torch.tensor([[1, height // p, width // p]] * n, dtype=torch.long)
+
+    @property
+    def merge_size(self) -> int:
+        """Patches merged per side into one LLM token."""
+        return self.geometry.merge_size
 
     @property
     def tokens_per_image(self) -> list[int]:
         """LLM tokens (merged patches) of each image."""
         return (self.image_grid_thw.prod(dim=-1) // self.merge_size**2).tolist()
+
+    def patches(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """Qwen3-VL patches (num_images * grid_h * grid_w, patch_dim) in dtype on device."""
+        return frames_to_patches(self.frames.to(device, non_blocking=True), self.geometry, dtype)
 
 
 def smart_resize(height: int, width: int, geometry: VisionGeometry) -> tuple[int, int]:
@@ -123,13 +152,26 @@ def patchify(normalized: torch.Tensor, geometry: VisionGeometry) -> torch.Tensor
     return blocks.reshape(n * grid_h * grid_w, channels * t * p * p)
 
 
+def frames_to_patches(frames: torch.Tensor, geometry: VisionGeometry, dtype: torch.dtype) -> torch.Tensor:
+    """Qwen3-VL patches of resized uint8 (N, 3, h, w) frames, in dtype, on the frames' device.
+
+    Normalised in float32 like the reference processor, then cast: the numbers a vision tower
+    in dtype sees from transformers' processor (patchify only moves values, so casting before
+    it is exact and its temporal copy is made in dtype, not float32).
+    """
+    # (x/255 - mean)/std folded into one affine step, in float32 like the reference
+    scale = 255.0 * geometry.image_std
+    normalized = (frames.float() - 255.0 * geometry.image_mean) / scale
+    return patchify(normalized.to(dtype), geometry)
+
+
 def preprocess_frames(
     frames: np.ndarray | torch.Tensor,
     geometry: VisionGeometry = VisionGeometry(),
     device: torch.device | str | None = None,
     keys: Sequence[str] | None = None,
 ) -> PreprocessedImages:
-    """Turn uint8 RGB frames (N, H, W, 3), all one size, into vision-tower inputs.
+    """Resize uint8 RGB frames (N, H, W, 3), all one size, for the vision tower.
 
     The work happens on `device` (default: where the frames are). keys name the images
     (default: a fresh unique name each, i.e. nothing is ever shared).
@@ -147,13 +189,4 @@ def preprocess_frames(
         raise ValueError(f"keys: {len(keys)} keys for {n} frames")
     size = smart_resize(height, width, geometry)
     resized = resize_frames(frames.permute(0, 3, 1, 2).contiguous(), size)
-    # (x/255 - mean)/std folded into one affine step, in float32 like the reference
-    scale = 255.0 * geometry.image_std
-    normalized = (resized.float() - 255.0 * geometry.image_mean) / scale
-    grid = torch.tensor([[1, size[0] // geometry.patch_size, size[1] // geometry.patch_size]] * n, dtype=torch.long)
-    return PreprocessedImages(
-        pixel_values=patchify(normalized, geometry),
-        image_grid_thw=grid.to(frames.device),
-        merge_size=geometry.merge_size,
-        keys=tuple(keys),
-    )
+    return PreprocessedImages(frames=resized, geometry=geometry, keys=tuple(keys))

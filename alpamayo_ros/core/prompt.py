@@ -203,16 +203,8 @@ def mrope_positions(
 
 def build_prompt_inputs(input_ids: Sequence[int], images: PreprocessedImages, *, image_token_id: int) -> PromptInputs:
     """Bundle rendered ids with the preprocessed frames and their M-RoPE positions."""
-    device = images.pixel_values.device
-    ids = torch.tensor(list(input_ids), dtype=torch.long, device=device)
+    ids = torch.tensor(list(input_ids), dtype=torch.long, device=images.frames.device)
     position_ids, rope_delta = mrope_positions(
         ids, images.image_grid_thw, image_token_id=image_token_id, merge_size=images.merge_size
     )
-    return PromptInputs(
-        input_ids=ids,
-        pixel_values=images.pixel_values,
-        image_grid_thw=images.image_grid_thw,
-        image_keys=images.keys,
-        position_ids=position_ids,
-        rope_delta=rope_delta,
-    )
+    return PromptInputs(input_ids=ids, images=images, position_ids=position_ids, rope_delta=rope_delta)

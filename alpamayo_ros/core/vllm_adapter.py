@@ -1,8 +1,8 @@
 """Every touch of vLLM internals lives here.
 
 * an out-of-tree Qwen3-VL architecture that reads the VLM out of an Alpamayo checkpoint and
-  accepts our own image patches ({"pixel_values", "image_grid_thw"}), so vLLM's image
-  processor never runs;
+  accepts our own resized uint8 frames ({FRAMES_FIELD, "image_grid_thw"}), so vLLM's image
+  processor never runs: the model patchifies them on its device, before the vision tower;
 * the small HF-style model folder vLLM loads from (JSON files + symlinks to the weights);
 * the K/V capture connector and one paged-cache reader per attention-backend layout;
 * the <i*> logits mask, by default engine-wide inside the model's compute_logits (which keeps
@@ -36,7 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 from transformers import BatchFeature
@@ -55,10 +55,13 @@ from vllm.model_executor.models.qwen3_vl import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig
 from vllm.multimodal.parse import DictEmbeddingItems
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
+
+from .preprocess import PreprocessedImages, VisionGeometry, frames_to_patches
 
 logger = logging.getLogger(__name__)
 
@@ -83,29 +86,57 @@ _PACKED_GPU_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINF
 # CPU_ATTN ISAs whose block stores K column-major [head_dim, block] then V row-major
 # [block, head_dim] (csrc/cpu/cpu_attn_vec.hpp; vec16 inherits it). AMX/NEON/... differ.
 _CPU_COLUMN_MAJOR_K_ISAS = ("vec", "vec16")
+#: Multimodal field of our image items: resized uint8 frames (N, 3, h, w), one item per frame.
+#: A name of its own, so no vLLM code path that reads "pixel_values" (patches) ever sees them.
+FRAMES_FIELD = "image_frames"
 
 
-class _PatchInputParser(Qwen2VLMultiModalDataParser):
-    """Also accepts {"pixel_values", "image_grid_thw"}: patches our preprocess already made.
+def frame_inputs(images: PreprocessedImages) -> dict[str, torch.Tensor]:
+    """One prompt's images as vLLM multimodal data: the frames on the host, and their grids."""
+    return {FRAMES_FIELD: images.frames.cpu(), "image_grid_thw": images.image_grid_thw}
 
-    vLLM then skips its own (CPU) image processor; the patches pass through to the vision
-    tower exactly as the HF backend receives them.
+
+def _vision_geometry(vision_config: Any) -> VisionGeometry:
+    """How the vision tower cuts frames into patches; normalisation stays Qwen3-VL's (the
+    VisionGeometry defaults, which the HF backend's geometry uses as well)."""
+    return VisionGeometry(
+        patch_size=vision_config.patch_size,
+        temporal_patch_size=vision_config.temporal_patch_size,
+        merge_size=vision_config.spatial_merge_size,
+    )
+
+
+def _frame_fields(spatial_merge_size: int) -> Callable[[Mapping[str, torch.Tensor]], dict[str, MultiModalFieldConfig]]:
+    """Qwen2-VL's multimodal field config plus FRAMES_FIELD, one frame per image item."""
+    qwen_fields = _create_qwen2vl_field_factory(spatial_merge_size)
+
+    def fields(hf_inputs: Mapping[str, torch.Tensor]) -> dict[str, MultiModalFieldConfig]:
+        return {**qwen_fields(hf_inputs), FRAMES_FIELD: MultiModalFieldConfig.batched("image")}
+
+    return fields
+
+
+class _FrameInputParser(Qwen2VLMultiModalDataParser):
+    """Also accepts {FRAMES_FIELD, "image_grid_thw"}: frames our preprocess already resized.
+
+    vLLM then skips its own (CPU) image processor; the frames pass through to the model,
+    which makes the same patches the HF backend makes (see embed_multimodal).
     """
 
     def _parse_image_data(self, data: Any) -> Any:
-        if isinstance(data, dict) and "pixel_values" in data:
+        if isinstance(data, dict) and FRAMES_FIELD in data:
             return DictEmbeddingItems(
                 data,
                 modality="image",
-                required_fields={"pixel_values", "image_grid_thw"},
-                fields_factory=_create_qwen2vl_field_factory(self._spatial_merge_size),
+                required_fields={FRAMES_FIELD, "image_grid_thw"},
+                fields_factory=_frame_fields(self._spatial_merge_size),
             )
         return super()._parse_image_data(data)
 
 
 class _AlpamayoProcessingInfo(Qwen3VLProcessingInfo):
-    def get_data_parser(self) -> _PatchInputParser:
-        return _PatchInputParser(
+    def get_data_parser(self) -> _FrameInputParser:
+        return _FrameInputParser(
             self.get_hf_config().vision_config.spatial_merge_size,
             video_needs_metadata=True,
             expected_hidden_size=self._get_expected_hidden_size(),
@@ -113,8 +144,25 @@ class _AlpamayoProcessingInfo(Qwen3VLProcessingInfo):
 
 
 class _AlpamayoMultiModalProcessor(Qwen3VLMultiModalProcessor):
+    def _get_mm_fields_config(self, hf_inputs: Any, hf_processor_mm_kwargs: Any) -> Any:
+        """The parser's fields: without FRAMES_FIELD here, vLLM would drop the frames."""
+        return _frame_fields(self.info.get_hf_config().vision_config.spatial_merge_size)(hf_inputs)
+
+    def _call_hf_processor(
+        self,
+        prompt: str,
+        mm_data: Mapping[str, object],
+        mm_kwargs: Mapping[str, object],
+        tok_kwargs: Mapping[str, object],
+    ) -> BatchFeature:
+        """A text prompt with only frame items (vLLM's profiling prompt) is just tokenized: the
+        HF processor would refuse its image tokens without images; vLLM expands them after."""
+        if mm_data:
+            return super()._call_hf_processor(prompt, mm_data, mm_kwargs, tok_kwargs)
+        return BatchFeature(dict(self.info.get_tokenizer()([prompt], **tok_kwargs)))
+
     def _apply_hf_processor_mm_only(self, mm_items: Any, hf_processor_mm_kwargs: Any, tokenization_kwargs: Any) -> Any:
-        """Patch items need no HF processor call (which refuses image tokens without images)."""
+        """Frame items need no HF processor call (which refuses image tokens without images)."""
         items = list(mm_items.values())
         if items and all(isinstance(item, DictEmbeddingItems) for item in items):
             data: dict[str, Any] = {}
@@ -124,8 +172,25 @@ class _AlpamayoMultiModalProcessor(Qwen3VLMultiModalProcessor):
         return super()._apply_hf_processor_mm_only(mm_items, hf_processor_mm_kwargs, tokenization_kwargs)
 
 
+class _AlpamayoDummyInputsBuilder(Qwen3VLDummyInputsBuilder):
+    """Startup profiling images in our request form, so vLLM measures the memory of the path
+    requests take (frames in, patches made in the model) and never runs its image processor."""
+
+    def get_dummy_mm_data(
+        self, seq_len: int, mm_counts: Mapping[str, int], mm_options: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        count = mm_counts.get("image", 0)
+        if not count:
+            return {}
+        size = self.info.get_image_size_with_most_features()  # already a multiple of patch x merge
+        frames = torch.full((count, 3, size.height, size.width), 255, dtype=torch.uint8)
+        geometry = _vision_geometry(self.info.get_hf_config().vision_config)
+        keys = tuple(f"profile-{index}" for index in range(count))
+        return {"image": frame_inputs(PreprocessedImages(frames=frames, geometry=geometry, keys=keys))}
+
+
 @MULTIMODAL_REGISTRY.register_processor(
-    _AlpamayoMultiModalProcessor, info=_AlpamayoProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
+    _AlpamayoMultiModalProcessor, info=_AlpamayoProcessingInfo, dummy_inputs=_AlpamayoDummyInputsBuilder
 )
 class AlpamayoQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL loading the VLM straight out of an Alpamayo checkpoint.
@@ -146,6 +211,27 @@ class AlpamayoQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     _token_mask: MaskSpec | None = None  # hidden from every row; set per run_requests call
     _early_ids: torch.Tensor | None = None  # its early_ids on the device, if hidden
+
+    def embed_multimodal(self, **kwargs: object) -> Any:
+        """Qwen3-VL's image path, fed with patches made here from our uint8 frames.
+
+        vLLM batches an encoder step's frames (one tensor, or a list when sizes differ) and
+        moves them to this device itself (the .to() below is then a no-op), so only uint8
+        frames cross the bus; patches are made in the vision tower's dtype, as the HF backend
+        makes them. NOTE: vLLM's encoder CUDA graphs (cudagraph_mm_encoder, off by default)
+        read "pixel_values" directly and would bypass this.
+        """
+        frames = kwargs.pop(FRAMES_FIELD, None)
+        if frames is not None:
+            geometry = _vision_geometry(self.config.vision_config)
+            batches = [frames] if isinstance(frames, torch.Tensor) else [frame[None] for frame in frames]
+            kwargs["pixel_values"] = torch.cat(
+                [
+                    frames_to_patches(batch.to(self.visual.device, non_blocking=True), geometry, self.visual.dtype)
+                    for batch in batches
+                ]
+            )
+        return super().embed_multimodal(**kwargs)
 
     def set_token_mask(self, spec: MaskSpec | None) -> None:
         """Hide spec's ids from every row from now on (None: nothing).
@@ -230,7 +316,8 @@ def materialize_model_dir(
     else:
         save_tokenizer(tmp, traj_vocab_size)
     vision = config["vision_config"]
-    # Only vLLM's startup profiling runs this processor: requests bring our own patches.
+    # vLLM reads its pixel bounds (profiling image size, tokens per image); it never
+    # processes an image: requests and profiling bring our own resized frames.
     Qwen2VLImageProcessorFast(
         patch_size=vision.get("patch_size", 16),
         temporal_patch_size=vision.get("temporal_patch_size", 2),
@@ -627,8 +714,8 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         enable_prefix_caching=options.enable_prefix_caching,
         seed=options.seed,
         limit_mm_per_prompt={"image": options.max_images, "video": 0},
-        enable_mm_embeds=True,  # lets our {"pixel_values", "image_grid_thw"} items through
-        mm_processor_cache_gb=0,  # would keep every request's patches (on the GPU) alive
+        enable_mm_embeds=True,  # lets our {FRAMES_FIELD, "image_grid_thw"} items through
+        mm_processor_cache_gb=0,  # would keep every request's frames alive
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
         logits_processors=None if options.mask_in_model else [f"{__name__}:{TokenMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
