@@ -16,9 +16,11 @@ Per plan, t0 is the stamp of the newest camera messages the node planned from (t
   node_overhead_ms       latency_ms - input_age_ms - total_ms: the node's work per plan outside the
                          pipeline (output gates, conversion, publishing the companion outputs)
   publish_lag_ms         t0 stamp -> last t0 camera message published (the publisher's own cost)
-  inbound_ms             input_age_ms - publish_lag_ms: t0 published -> inference started (transport to
-                         the node, decode, waiting for the planning tick, input assembly; the node does
-                         not report receive times, so this part cannot be split further)
+  inbound_ms             input_age_ms - publish_lag_ms: t0 published -> inference started, split into
+  receive_ms             inbound_ms - input_wait_ms: published -> the node has the frame converted
+                         (DDS transport, rclpy deserialisation, callback queueing, decode/copy)
+  input_wait_ms          StageTimings `node.input_wait`: newest frame ready -> inference started
+                         (waiting for the planning tick, input assembly: `node.assemble`)
   transport_queueing_ms  e2e_ms - latency_ms + publish_lag_ms: the node publishing StageTimings and the
                          Path, DDS transport, and this process's executor
 so e2e_ms = inbound_ms + total_ms + node_overhead_ms + transport_queueing_ms.
@@ -99,6 +101,8 @@ MEASURES = (
     ("total_ms", "pipeline `total` stage"),
     ("node_overhead_ms", "**node overhead**: latency - input_age - total"),
     ("inbound_ms", "inbound: published -> inference started (transport, decode, tick wait)"),
+    ("receive_ms", "· receive: published -> frame converted in the node"),
+    ("input_wait_ms", "· input wait: newest frame ready -> inference started"),
     ("transport_queueing_ms", "transport+queueing: Path published -> received"),
     ("publish_lag_ms", "publisher: t0 stamp -> last t0 message published"),
 )
@@ -346,6 +350,8 @@ def plan_records(
             "total_ms": total,
             "node_overhead_ms": latency - age - total,
             "inbound_ms": age - lag,
+            "receive_ms": age - lag - stages["node.input_wait"],
+            "input_wait_ms": stages["node.input_wait"],
             "transport_queueing_ms": e2e - latency + lag,
             "publish_lag_ms": lag,
             "overruns": int(timing.overruns),
@@ -454,6 +460,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             stop_process(publisher, STOP_TIMEOUT_S)
             publisher, publisher_restarts = start_publisher(), 1
             wait_for_plans(node, paths, timings, diagnostics, wanted, args.plan_timeout_s, out / "node.log")
+        # the node publishes its diagnostics after the last Path: let them arrive before reading
+        deadline = time.monotonic() + 5.0
+        while int(_last_diagnostics(diagnostics).get("plans", 0)) < wanted and time.monotonic() < deadline:
+            time.sleep(0.05)
         node_diagnostics = _last_diagnostics(diagnostics)
     finally:
         if publisher is not None:

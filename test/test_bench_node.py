@@ -20,7 +20,7 @@ from alpamayo_ros.ros.testing import ros_env, unique_domain_id
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = 3
 MEASURES = ("e2e_ms", "latency_ms", "input_age_ms", "total_ms", "node_overhead_ms", "inbound_ms",
-            "transport_queueing_ms", "publish_lag_ms")  # fmt: skip
+            "receive_ms", "input_wait_ms", "transport_queueing_ms", "publish_lag_ms")  # fmt: skip
 
 
 @pytest.mark.parametrize("transport", ["raw", "compressed"])
@@ -54,6 +54,9 @@ def test_bench_node_reports_finite_latencies(tmp_path: Path, tiny_checkpoint: Pa
         # the node's own work and both transports take time; a negative value means mismatched clocks or stamps
         assert plan["node_overhead_ms"] >= -0.01, plan
         assert plan["inbound_ms"] > 0 and plan["transport_queueing_ms"] > 0 and plan["publish_lag_ms"] >= 0, plan
+        # inbound = published -> frame converted in the node + that frame's wait for inference
+        assert plan["receive_ms"] >= -0.01 and plan["input_wait_ms"] >= plan["stages_ms"]["node.assemble"] > 0, plan
+        assert plan["receive_ms"] + plan["input_wait_ms"] == pytest.approx(plan["inbound_ms"], abs=1e-6)
         parts = plan["inbound_ms"] + plan["total_ms"] + plan["node_overhead_ms"] + plan["transport_queueing_ms"]
         assert parts == pytest.approx(plan["e2e_ms"], abs=1e-6)
         assert plan["e2e_ms"] > plan["total_ms"]

@@ -86,6 +86,14 @@ def test_newer_frame_sets_start_plans_without_waiting_for_the_timer(node) -> Non
     # fraction of the 100 ms camera period (a timer plan's input waits for the tick as well)
     ages = [m.input_age_ms for m in timings.messages[-planned:]]
     assert statistics.median(ages) < 80.0, ages
+    # the node's input side: the frame that completed the set started the plan, so it had been
+    # ready only for the assembly (and the hand-over to the worker) when inference started
+    waits = []
+    for message in timings.messages[-planned:]:
+        stages = dict(zip(message.stage_names, message.stage_ms))
+        assert 0.0 < stages["node.assemble"] <= stages["node.input_wait"], stages
+        waits.append(stages["node.input_wait"])
+    assert statistics.median(waits) < 30.0, waits
 
 
 def test_the_timer_still_reports_a_stopped_camera(node) -> None:

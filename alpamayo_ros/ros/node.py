@@ -68,6 +68,8 @@ class PlanJob:
     selection: str
     max_first_waypoint_error_m: float
     route_text: str
+    assemble_ms: float  # building the DrivingInput (frame selection, ego history, image stacking)
+    last_arrival_ns: int  # node clock when the newest frame of the cameras' newest had been converted
 
 
 @dataclass
@@ -308,7 +310,9 @@ class DriveNode(Node):
         if self._busy:
             self._stats.overruns += 1
             return None
+        assemble_start = time.perf_counter()
         assembled = self._assemble(now_ns)
+        assemble_ms = (time.perf_counter() - assemble_start) * 1e3
         if isinstance(assembled, Rejection):
             if assembled.reason is RejectReason.TIME_BACKWARDS:
                 self._forget_t0s()  # the new timeline's t0s are all smaller
@@ -326,6 +330,8 @@ class DriveNode(Node):
             selection=self._selection,
             max_first_waypoint_error_m=self._max_first_waypoint_error_m,
             route_text=assembled.driving_input.route_text or "",
+            assemble_ms=assemble_ms,
+            last_arrival_ns=max(self._arrived_ns.values(), default=now_ns),
         )
 
     def _assemble(self, now_ns: int) -> Assembly | Rejection | tuple[str, str]:
@@ -521,17 +527,25 @@ class DriveNode(Node):
         self._coc_pub.publish(String(data=coc))
         self._markers_pub.publish(convert.marker_array_message(header, xyz, selected, coc, text_position))
         published_ns = self._now_ns()
+        # The node's input side, next to the pipeline's stages: input_wait is how long the last
+        # frame needed had been converted and buffered before inference started (tick wait and
+        # assembly), so input_age - input_wait is capture -> frame ready in the node.
+        timings_ms = {
+            **plan.timings_ms,
+            "node.assemble": job.assemble_ms,
+            "node.input_wait": (started_ns - job.last_arrival_ns) / NS_PER_MS,
+        }
         with self._lock:
             self._stats.plans += 1
             self._stats.outcome = "planned"
-            self._stats.timings_ms = dict(plan.timings_ms)
+            self._stats.timings_ms = timings_ms
             self._stats.input_age_ms = (started_ns - t0_ns) / NS_PER_MS
             self._stats.latency_ms = (published_ns - t0_ns) / NS_PER_MS
             self._stats.skew_ms = job.assembly.frames.skew_ns / NS_PER_MS
             overruns = self._stats.overruns
         self._timings_pub.publish(
             StageTimings(
-                header=header, stage_names=list(plan.timings_ms), stage_ms=[float(v) for v in plan.timings_ms.values()],
+                header=header, stage_names=list(timings_ms), stage_ms=[float(v) for v in timings_ms.values()],
                 input_age_ms=float((started_ns - t0_ns) / NS_PER_MS), latency_ms=float((published_ns - t0_ns) / NS_PER_MS),
                 overruns=overruns,
             )
