@@ -239,8 +239,8 @@ class DriveNode(Node):
         newest = self._frame_sync.newest_stamps().values()
         if None in newest:
             return None
-        t0_ns = min(newest)
-        return t0_ns if t0_ns > max(self._last_tried_t0_ns, self._last_planned_t0_ns) else None
+        t0_ns = min(newest)  # every plan of this mode was tried first: no need to check planned t0s
+        return t0_ns if t0_ns > self._last_tried_t0_ns else None
 
     def _on_odometry(self, msg: Odometry) -> None:
         stamp_ns, xyz, quat = convert.odometry_pose(msg)
