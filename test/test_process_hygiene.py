@@ -11,14 +11,16 @@ from alpamayo_ros.ros.testing import ros_env, start_python, stop_process, unique
 
 FASTDDS_SHM_PREFIXES = ("fastdds_", "fastrtps_", "fast_datasharing_", "sem.fastdds_", "sem.fastrtps_")
 
-TALKER = """
+def _node_script(name: str, body: str) -> str:
+    """A one-node rclpy program: `body` sets up `node`, which spins until SIGINT."""
+    return f"""
+import pathlib
 import rclpy
 from rclpy.executors import ExternalShutdownException
 from std_msgs.msg import String
 rclpy.init()
-node = rclpy.create_node("hygiene_talker")
-pub = node.create_publisher(String, "/hygiene", 10)
-node.create_timer(0.05, lambda: pub.publish(String(data="x" * 100000)))
+node = rclpy.create_node({name!r})
+{body}
 try:
     rclpy.spin(node)
 except (KeyboardInterrupt, ExternalShutdownException):
@@ -28,23 +30,20 @@ finally:
     rclpy.try_shutdown()
 """
 
-LISTENER = """
-import pathlib, sys
-import rclpy
-from rclpy.executors import ExternalShutdownException
-from std_msgs.msg import String
-mark = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else {mark!r})
-rclpy.init()
-node = rclpy.create_node("hygiene_listener")
-node.create_subscription(String, "/hygiene", lambda m: mark.write_text(str(len(m.data))), 10)
-try:
-    rclpy.spin(node)
-except (KeyboardInterrupt, ExternalShutdownException):
-    pass
-finally:
-    node.destroy_node()
-    rclpy.try_shutdown()
-"""
+
+TALKER = _node_script(
+    "hygiene_talker",
+    'pub = node.create_publisher(String, "/hygiene", 10)\n'
+    'node.create_timer(0.05, lambda: pub.publish(String(data="x" * 100000)))',
+)
+
+
+def listener_script(mark: Path) -> str:
+    """A node that writes the length of each message it gets into mark."""
+    return _node_script(
+        "hygiene_listener",
+        f'node.create_subscription(String, "/hygiene", lambda m: pathlib.Path({str(mark)!r}).write_text(str(len(m.data))), 10)',
+    )
 
 
 def fastdds_segments() -> set[str]:
@@ -76,7 +75,7 @@ def test_sigint_ends_ros_processes_cleanly_without_shm_leftovers(tmp_path: Path)
     env = ros_env(unique_domain_id())
     mark = tmp_path / "received"
     talker = start_python(TALKER, env=env, log_path=tmp_path / "talker.log")
-    listener = start_python(LISTENER.format(mark=str(mark)), env=env, log_path=tmp_path / "listener.log")
+    listener = start_python(listener_script(mark), env=env, log_path=tmp_path / "listener.log")
     try:
         assert wait_until(mark.exists, timeout_s=30), (tmp_path / "listener.log").read_text()
         assert mark.read_text() == "100000"
