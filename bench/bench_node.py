@@ -76,8 +76,9 @@ from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
 
 from alpamayo_ros.core.types import CAMERAS  # noqa: E402
 from alpamayo_ros.eval.scene import PinholeCamera, Renderer, Road, Vehicle, default_rig  # noqa: E402
-from alpamayo_ros.ros.convert import ns_to_stamp, stamp_to_ns  # noqa: E402
-from alpamayo_ros.ros.params import SPECS  # noqa: E402
+from alpamayo_ros.inputs.messages import stamp_to_ns  # noqa: E402
+from alpamayo_ros.ros.convert import ns_to_stamp  # noqa: E402
+from alpamayo_ros.settings import SPECS  # noqa: E402
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings  # noqa: E402
 
 logger = logging.getLogger("bench_node")

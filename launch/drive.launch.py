@@ -67,7 +67,7 @@ LAUNCH_ARGUMENTS: dict[str, tuple[str, str]] = {
 
 def parameter_overrides(arguments: dict[str, str]) -> dict[str, object]:
     """Typed parameter values for the non-empty launch arguments (YAML syntax: `[0, 1]`, `true`)."""
-    from alpamayo_ros.ros.params import SPECS, check_value
+    from alpamayo_ros.settings import SPECS, check_value
 
     overrides: dict[str, object] = {}
     for argument, parameter in PARAMETER_ARGUMENTS.items():

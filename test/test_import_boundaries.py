@@ -43,9 +43,9 @@ def test_core_and_inputs_do_not_import_rclpy() -> None:
     assert not {"rclpy", "rcl_interfaces", "alpamayo_ros_msgs"} & loaded
 
 
-def test_inputs_are_light() -> None:
-    """The evaluator and tools use inputs/ without paying for torch."""
-    loaded = imported_after(modules_of("inputs"))
+def test_inputs_and_settings_are_light() -> None:
+    """The evaluator, its workers and the server use inputs/ and the parameter table without torch or rclpy."""
+    loaded = imported_after(modules_of("inputs") + ["alpamayo_ros.settings"])
     assert "numpy" in loaded
     assert not ({"rclpy", *MODEL_MODULES} & loaded)
 

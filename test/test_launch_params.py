@@ -15,7 +15,8 @@ import yaml
 from rclpy.context import Context
 from rclpy.node import Node
 
-from alpamayo_ros.ros.params import PARAMETERS, SPECS, ParameterError, declare_parameters
+from alpamayo_ros.settings import PARAMETERS, SPECS, ParameterError
+from alpamayo_ros.ros.params import declare_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML_PATH = ROOT / "config" / "drive.yaml"

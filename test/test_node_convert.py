@@ -14,6 +14,7 @@ from std_msgs.msg import Header
 from visualization_msgs.msg import Marker
 
 from alpamayo_ros.core.types import Plan
+from alpamayo_ros.inputs import messages
 from alpamayo_ros.inputs.ego_history import quaternion_to_matrix
 from alpamayo_ros.ros import convert
 from alpamayo_ros.ros.node import gate_plan
@@ -41,21 +42,21 @@ def raw(encoding: str, pixels: np.ndarray, *, pad: int = 0, cut: int = 0) -> Ima
 )
 def test_raw_color_encodings_become_rgb(encoding: str, pixels: np.ndarray) -> None:
     for pad in (0, 3):  # rows may be padded beyond width * channels
-        out = convert.raw_image_to_rgb(raw(encoding, np.ascontiguousarray(pixels), pad=pad))
+        out = messages.raw_image_to_rgb(raw(encoding, np.ascontiguousarray(pixels), pad=pad))
         assert out.dtype == np.uint8 and out.flags.c_contiguous
         np.testing.assert_array_equal(out, RGB)
 
 
 def test_mono8_is_replicated_to_rgb() -> None:
     gray = RGB[..., 0].copy()
-    out = convert.raw_image_to_rgb(raw("mono8", gray))
+    out = messages.raw_image_to_rgb(raw("mono8", gray))
     assert out.shape == (6, 10, 3)
     np.testing.assert_array_equal(out[..., 2], gray)
 
 
 def test_raw_image_is_copied_out_of_the_message() -> None:
     msg = raw("rgb8", RGB)
-    out = convert.raw_image_to_rgb(msg)
+    out = messages.raw_image_to_rgb(msg)
     msg.data = bytes(len(msg.data))
     np.testing.assert_array_equal(out, RGB)
 
@@ -71,8 +72,8 @@ def test_raw_image_is_copied_out_of_the_message() -> None:
     ],
 )
 def test_bad_raw_images_are_rejected_with_a_reason(msg: Image, reason: str) -> None:
-    with pytest.raises(convert.ImageRejected) as caught:
-        convert.raw_image_to_rgb(msg)
+    with pytest.raises(messages.ImageRejected) as caught:
+        messages.raw_image_to_rgb(msg)
     assert caught.value.reason == reason
 
 
@@ -83,10 +84,10 @@ def encoded(extension: str, pixels: np.ndarray) -> bytes:
 
 
 def test_png_is_lossless_and_jpeg_close() -> None:
-    png = convert.compressed_image_to_rgb(CompressedImage(format="png", data=encoded(".png", RGB)))
+    png = messages.compressed_image_to_rgb(CompressedImage(format="png", data=encoded(".png", RGB)))
     np.testing.assert_array_equal(png, RGB)
     smooth = np.full((32, 48, 3), (200, 120, 40), np.uint8)
-    jpeg = convert.compressed_image_to_rgb(CompressedImage(format="jpeg", data=encoded(".jpg", smooth)))
+    jpeg = messages.compressed_image_to_rgb(CompressedImage(format="jpeg", data=encoded(".jpg", smooth)))
     assert jpeg.shape == smooth.shape
     assert np.abs(jpeg.astype(int) - smooth).max() <= 4  # channel order kept (RGB, not BGR)
 
@@ -101,21 +102,21 @@ def test_png_is_lossless_and_jpeg_close() -> None:
     ],
 )
 def test_corrupt_compressed_images_are_rejected(data: bytes, detail: str) -> None:
-    with pytest.raises(convert.ImageRejected, match=detail) as caught:
-        convert.compressed_image_to_rgb(CompressedImage(format="jpeg", data=data))
+    with pytest.raises(messages.ImageRejected, match=detail) as caught:
+        messages.compressed_image_to_rgb(CompressedImage(format="jpeg", data=data))
     assert caught.value.reason in ("corrupt_image", "empty_image")
 
 
 def test_fit_image() -> None:
-    assert convert.fit_image(RGB, None) is RGB
-    assert convert.fit_image(RGB, (10, 6)) is RGB
-    assert convert.fit_image(RGB, (5, 3)).shape == (3, 5, 3)
+    assert messages.fit_image(RGB, None) is RGB
+    assert messages.fit_image(RGB, (10, 6)) is RGB
+    assert messages.fit_image(RGB, (5, 3)).shape == (3, 5, 3)
 
 
 def test_stamps_round_trip() -> None:
     for ns in (0, 1, 999_999_999, 1_712_345_678_901_234_567):
         stamp = convert.ns_to_stamp(ns)
-        assert isinstance(stamp, Time) and convert.stamp_to_ns(stamp) == ns
+        assert isinstance(stamp, Time) and messages.stamp_to_ns(stamp) == ns
 
 
 def straight(speed: float, lateral: float = 0.0, n: int = 64) -> np.ndarray:
@@ -168,8 +169,8 @@ def test_path_and_trajectory_set_messages() -> None:
     rot = np.stack([rot, rot])
     path = convert.path_message(header, xyz[1], rot[1], 0.1)
     assert path.header.frame_id == "base_link" and len(path.poses) == 64
-    assert convert.stamp_to_ns(path.poses[0].header.stamp) == 5_100_000_000
-    assert convert.stamp_to_ns(path.poses[63].header.stamp) == 11_400_000_000
+    assert messages.stamp_to_ns(path.poses[0].header.stamp) == 5_100_000_000
+    assert messages.stamp_to_ns(path.poses[63].header.stamp) == 11_400_000_000
     last = path.poses[63].pose
     assert (last.position.x, last.position.y) == pytest.approx((25.6, 1.0))
     assert 2 * math.atan2(last.orientation.z, last.orientation.w) == pytest.approx(0.6)

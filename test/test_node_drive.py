@@ -30,7 +30,7 @@ from alpamayo_ros.ros.testing import (
 from std_msgs.msg import String
 from visualization_msgs.msg import Marker, MarkerArray
 
-from alpamayo_ros.ros.convert import stamp_to_ns
+from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet
 
 NODE = "/alpamayo_drive"

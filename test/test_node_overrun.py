@@ -25,7 +25,7 @@ from alpamayo_ros.ros.testing import (
     write_params_file,
 )
 
-from alpamayo_ros.ros.convert import stamp_to_ns
+from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros_msgs.msg import StageTimings, TrajectorySet
 
 NODE = "/alpamayo_drive"

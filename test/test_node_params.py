@@ -18,7 +18,7 @@ from alpamayo_ros.ros.testing import (
     write_params_file,
 )
 
-from alpamayo_ros.ros.params import SPECS, ParameterError, parse_settings
+from alpamayo_ros.settings import SPECS, ParameterError, parse_settings
 
 CAMERAS = {
     "cameras.topics": ["/a", "/b", "/c"],

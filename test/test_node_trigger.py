@@ -11,7 +11,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Path as PathMsg
 
-from alpamayo_ros.ros.convert import stamp_to_ns
+from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.testing import (
     CameraFeed,
     RosSide,

@@ -14,7 +14,7 @@ import pytest
 from alpamayo_ros.eval.bags import bag_topics, decode_image, read_messages
 from alpamayo_ros.eval.evaluate import load_params_file
 from alpamayo_ros.eval.physical_ai_av import convert_clip, main
-from alpamayo_ros.ros.convert import stamp_to_ns
+from alpamayo_ros.inputs.messages import stamp_to_ns
 
 CLIP = "0b7c5a9e-1111-4c1e-9d2a-5f3a2b1c0d9e"
 OTHER = "77aa0000-2222-4e2f-8a3b-6c4d5e6f7a8b"  # same chunk, different content: must not leak in

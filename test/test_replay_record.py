@@ -14,7 +14,7 @@ from mcap_ros2.decoder import DecoderFactory
 from alpamayo_ros.ros.testing import VENV_BIN, ros_env, stop_process, unique_domain_id
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics, decode_image, read_messages, register_msgtype
-from alpamayo_ros.ros.convert import stamp_to_ns
+from alpamayo_ros.inputs.messages import stamp_to_ns
 
 T0 = 1_700_000_000_000_000_000
 CAMS = ("/cam/front/compressed", "/cam/left/compressed")

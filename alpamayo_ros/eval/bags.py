@@ -22,7 +22,7 @@ from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
-from alpamayo_ros.ros.convert import compressed_image_to_rgb, raw_image_to_rgb
+from alpamayo_ros.inputs.messages import compressed_image_to_rgb, raw_image_to_rgb
 
 IMAGE = "sensor_msgs/msg/Image"
 COMPRESSED_IMAGE = "sensor_msgs/msg/CompressedImage"

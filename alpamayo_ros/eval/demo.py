@@ -40,8 +40,9 @@ from alpamayo_ros.eval.processes import start_console_script, stop_process
 from alpamayo_ros.eval.record import Recorder
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, Pose2D, Renderer, Road, Vehicle, default_rig
-from alpamayo_ros.ros.convert import ns_to_stamp, stamp_to_ns
-from alpamayo_ros.ros.params import write_params_file
+from alpamayo_ros.inputs.messages import stamp_to_ns
+from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.settings import write_params_file
 from alpamayo_ros_msgs.msg import TrajectorySet
 
 logger = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from alpamayo_ros.inputs import Rejection
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
 from alpamayo_ros.inputs.ego_history import OdometryBuffer, quaternion_to_matrix
 from alpamayo_ros.inputs.frame_sync import FrameSync
-from alpamayo_ros.ros.convert import (ImageRejected, compressed_image_to_rgb, fit_image, odometry_pose, raw_image_to_rgb,
-                                      stamp_to_ns)
-from alpamayo_ros.ros.params import SPECS, DriveSettings, ParameterError, parse_settings
+from alpamayo_ros.inputs.messages import (ImageRejected, compressed_image_to_rgb, fit_image, odometry_pose,
+                                          raw_image_to_rgb, stamp_to_ns)
+from alpamayo_ros.settings import SPECS, DriveSettings, ParameterError, parse_settings
 
 logger = logging.getLogger(__name__)
 

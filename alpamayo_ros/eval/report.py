@@ -19,7 +19,7 @@ from alpamayo_ros.eval.metrics import summarize  # noqa: E402
 
 if TYPE_CHECKING:
     from alpamayo_ros.eval.evaluate import BagResult
-    from alpamayo_ros.ros.params import DriveSettings
+    from alpamayo_ros.settings import DriveSettings
 
 NS_PER_S = 1_000_000_000
 

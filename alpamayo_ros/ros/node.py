@@ -36,20 +36,13 @@ from std_msgs.msg import Header, String
 from visualization_msgs.msg import MarkerArray
 
 from alpamayo_ros.core.types import WAYPOINT_DT_S, DrivingInput, Plan, SamplingSettings
-from alpamayo_ros.inputs import RejectReason, Rejection
+from alpamayo_ros.inputs import RejectReason, Rejection, messages
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
 from alpamayo_ros.inputs.ego_history import OdometryBuffer
 from alpamayo_ros.inputs.frame_sync import FrameSync
 from alpamayo_ros.ros import convert, qos
-from alpamayo_ros.ros.params import (
-    SPECS,
-    CameraInput,
-    ParameterError,
-    check_value,
-    declare_parameters,
-    parse_settings,
-    sampling_settings,
-)
+from alpamayo_ros.ros.params import declare_parameters
+from alpamayo_ros.settings import SPECS, CameraInput, ParameterError, check_value, parse_settings, sampling_settings
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet
 
 NODE_NAME = "alpamayo_drive"
@@ -134,7 +127,7 @@ class DriveNode(Node):
         self._odometry = OdometryBuffer(settings.ego_history)
         self._odometry_frame_id = ""
         self._route: tuple[str, int] | None = None  # (text, node clock ns at arrival)
-        self._camera_errors: dict[int, convert.ImageRejected] = {}
+        self._camera_errors: dict[int, messages.ImageRejected] = {}
         self._last_tick_ns: int | None = None
         self._last_planned_t0_ns = -1
         self._last_tried_t0_ns = -1  # frames trigger: each complete frame set gets one attempt
@@ -202,9 +195,9 @@ class DriveNode(Node):
 
     def _on_image(self, camera: CameraInput, msg: Image | CompressedImage) -> None:
         try:
-            rgb = convert.raw_image_to_rgb(msg) if camera.transport == "raw" else convert.compressed_image_to_rgb(msg)
-            rgb = convert.fit_image(rgb, self.settings.image_size)
-        except convert.ImageRejected as exc:
+            rgb = messages.raw_image_to_rgb(msg) if camera.transport == "raw" else messages.compressed_image_to_rgb(msg)
+            rgb = messages.fit_image(rgb, self.settings.image_size)
+        except messages.ImageRejected as exc:
             with self._lock:
                 self._camera_errors[camera.index] = exc
                 self._stats.dropped[exc.reason] += 1
@@ -212,7 +205,7 @@ class DriveNode(Node):
                 f"camera {camera.index} ({camera.topic}): dropped frame: {exc}", throttle_duration_sec=LOG_THROTTLE_S
             )
             return
-        stamp_ns = convert.stamp_to_ns(msg.header.stamp)
+        stamp_ns = messages.stamp_to_ns(msg.header.stamp)
         with self._lock:
             self._camera_errors.pop(camera.index, None)
             self._frame_sync.add(camera.index, stamp_ns, rgb)
@@ -243,7 +236,7 @@ class DriveNode(Node):
         return t0_ns if t0_ns > self._last_tried_t0_ns else None
 
     def _on_odometry(self, msg: Odometry) -> None:
-        stamp_ns, xyz, quat = convert.odometry_pose(msg)
+        stamp_ns, xyz, quat = messages.odometry_pose(msg)
         with self._lock:
             self._odometry.add(stamp_ns, xyz, quat)
             self._odometry_frame_id = msg.header.frame_id

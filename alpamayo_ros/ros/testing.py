@@ -31,7 +31,7 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from alpamayo_ros.ros.convert import ns_to_stamp
 from alpamayo_ros.eval.processes import start_console_script, stop_process  # noqa: F401 - the tests' child processes
-from alpamayo_ros.ros.params import write_params_file  # noqa: F401 - the tests' params files
+from alpamayo_ros.settings import write_params_file  # noqa: F401 - the tests' params files
 
 VENV_BIN = Path(sys.executable).parent
 MAX_DOMAIN_ID = 101  # ids above may collide with ephemeral ports on Linux

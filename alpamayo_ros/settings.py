@@ -1,0 +1,505 @@
+"""Every parameter of the drive node: one declared table, parsed into typed settings.
+
+ROS-free, so the evaluator, its Ray workers and the server read the same parameters as the node
+without rclpy (alpamayo_ros/ros/params.py declares the table on a node). The table is the single
+source the node declares from; config/drive.yaml,
+config/drive.schema.json and the launch file are checked against it by a static test, so
+the four cannot drift. parse_settings() validates everything at start and raises
+ParameterError naming the parameter at fault.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from alpamayo_ros.core.types import CAMERAS, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, SamplingSettings
+from alpamayo_ros.inputs.ego_history import EgoHistoryConfig
+from alpamayo_ros.inputs.frame_sync import FrameSyncConfig
+
+NS_PER_S = 1_000_000_000
+RELIABILITIES = ("best_effort", "reliable")
+DURABILITIES = ("volatile", "transient_local")
+TRANSPORTS = ("raw", "compressed")
+SELECTIONS = ("first", "medoid", "all")
+OUTPUT_FRAMES = ("ego", "odom")
+TRIGGERS = ("timer", "frames")
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class ParameterError(ValueError):
+    """A parameter value the node cannot run with; the message starts with its name."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"parameter '{name}': {problem}")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One declared parameter. Numbers carry their unit in the name (_s, _hz, _m)."""
+
+    name: str
+    default: Any
+    description: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    dynamic: bool = False  # may be changed while running (validated in the on-set callback)
+
+
+PARAMETERS: tuple[ParamSpec, ...] = (
+    # model
+    ParamSpec("model.checkpoint_path", "", "Checkpoint directory (config.json, safetensors, tokenizer). Required."),
+    ParamSpec(
+        "model.backend",
+        "hf",
+        "Backbone backend: hf (transformers reference) or vllm (in-process engine).",
+        choices=("hf", "vllm"),
+    ),
+    ParamSpec("model.device", "cpu", "Torch device: cpu, cuda or cuda:N."),
+    ParamSpec(
+        "model.dtype",
+        "auto",
+        "Model weights dtype; auto = the checkpoint's.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    ParamSpec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),
+    ParamSpec(
+        "vllm.dtype",
+        "auto",
+        "vLLM engine dtype; auto = model.dtype.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    ParamSpec(
+        "vllm.gpu_memory_utilization",
+        0.85,
+        "Fraction of GPU memory the vLLM engine may reserve.",
+        minimum=0.05,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "vllm.kv_cache_gib",
+        2.0,
+        "KV cache the vLLM engine allocates (GiB; ~14k tokens at full size: an 8k context, or many "
+        "samples sharing one prompt); 0 = size it from gpu_memory_utilization instead.",
+        minimum=0.0,
+        maximum=512.0,
+    ),
+    ParamSpec(
+        "vllm.max_model_len",
+        8192,
+        "vLLM context length (tokens); must hold prompt + reasoning.",
+        minimum=1024,
+        maximum=262144,
+    ),
+    ParamSpec(
+        "vllm.tensor_parallel_size",
+        1,
+        "GPUs the vLLM backbone is split over (the in-process K/V capture supports 1).",
+        minimum=1,
+        maximum=8,
+    ),
+    ParamSpec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
+    ParamSpec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
+    # cameras
+    ParamSpec(
+        "cameras.topics",
+        [
+            "/camera/cross_left/image/compressed",
+            "/camera/front_wide/image/compressed",
+            "/camera/cross_right/image/compressed",
+            "/camera/front_tele/image/compressed",
+        ],
+        "Camera image topics, one per entry of cameras.indices.",
+    ),
+    ParamSpec(
+        "cameras.indices",
+        [0, 1, 2, 6],
+        "Upstream camera index of each topic: 0 cross left, 1 front wide, 2 cross right, 3 rear left, "
+        "4 rear tele, 5 rear right, 6 front tele. Unique.",
+    ),
+    ParamSpec(
+        "cameras.transports",
+        ["compressed", "compressed", "compressed", "compressed"],
+        "Per topic: raw (sensor_msgs/Image) or compressed (sensor_msgs/CompressedImage, JPEG/PNG).",
+    ),
+    ParamSpec(
+        "cameras.frames",
+        FRAMES_PER_CAMERA,
+        "Frames per camera given to the model (t0 - (n-1)*spacing ... t0).",
+        minimum=1,
+        maximum=8,
+    ),
+    ParamSpec("cameras.frame_spacing_s", 0.1, "Time between a camera's model frames.", minimum=0.01, maximum=1.0),
+    ParamSpec(
+        "cameras.max_frame_error_s",
+        0.05,
+        "Largest allowed distance of a chosen frame from its target time.",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "cameras.max_skew_s",
+        0.05,
+        "How much older the slowest camera's newest frame may be than the other cameras' previous frames.",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "cameras.max_age_s",
+        0.3,
+        "Largest allowed age of a camera's newest frame (node clock); 0 = no check.",
+        minimum=0.0,
+        maximum=10.0,
+    ),
+    ParamSpec(
+        "images.width",
+        0,
+        "Resize every frame to this width (px) on arrival; 0 = keep (needs images.height 0).",
+        minimum=0,
+        maximum=8192,
+    ),
+    ParamSpec(
+        "images.height",
+        0,
+        "Resize every frame to this height (px) on arrival; 0 = keep (needs images.width 0).",
+        minimum=0,
+        maximum=8192,
+    ),
+    # odometry and history
+    ParamSpec("odometry.topic", "/odom", "nav_msgs/Odometry topic; its header.frame_id is the odom output frame."),
+    ParamSpec(
+        "odometry.max_stale_s",
+        0.1,
+        "t0 may be at most this far after the newest odometry (bridged by extrapolation).",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    ParamSpec(
+        "odometry.max_gap_s",
+        0.25,
+        "Largest allowed time between the odometry samples a history pose is interpolated from.",
+        minimum=0.001,
+        maximum=2.0,
+    ),
+    ParamSpec(
+        "history.length",
+        NUM_HISTORY_POSES,
+        "Ego history poses; fixed by the model (16).",
+        minimum=NUM_HISTORY_POSES,
+        maximum=NUM_HISTORY_POSES,
+    ),
+    ParamSpec(
+        "history.dt_s",
+        0.1,
+        "Time between ego history poses (the model was trained with 0.1).",
+        minimum=0.01,
+        maximum=1.0,
+    ),
+    # navigation
+    ParamSpec(
+        "navigation.topic", "/navigation/instruction", "std_msgs/String route instruction (e.g. 'Turn right in 30m')."
+    ),
+    ParamSpec(
+        "navigation.max_age_s",
+        0.0,
+        "Forget the route instruction this long after it arrived; 0 = keep it.",
+        minimum=0.0,
+        maximum=3600.0,
+    ),
+    # output
+    ParamSpec(
+        "output.frame",
+        "ego",
+        "Output frame: ego (ego frame at t0) or odom (odometry frame, via the pose at t0).",
+        choices=OUTPUT_FRAMES,
+    ),
+    ParamSpec("output.ego_frame_id", "base_link", "frame_id used when output.frame is ego."),
+    # planning and sampling
+    ParamSpec(
+        "planning.rate_hz",
+        10.0,
+        "Planning ticks per second; a tick while inference runs is skipped and counted.",
+        minimum=0.1,
+        maximum=100.0,
+    ),
+    ParamSpec(
+        "planning.trigger",
+        "timer",
+        "timer: plan on each planning tick. frames: plan as soon as a newer complete frame set"
+        " arrives while inference is idle (freshest input); the ticks then only report missing or"
+        " stale input.",
+        choices=TRIGGERS,
+    ),
+    ParamSpec("sampling.num_samples", 1, "Trajectory samples per plan.", minimum=1, maximum=64, dynamic=True),
+    ParamSpec(
+        "sampling.selection",
+        "first",
+        "Published sample: first, medoid (least summed distance) or all (no Path).",
+        choices=SELECTIONS,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "sampling.flow_steps", 10, "Euler steps of the flow-matching sampler.", minimum=1, maximum=100, dynamic=True
+    ),
+    ParamSpec(
+        "sampling.max_reasoning_tokens",
+        256,
+        "Cap on generated reasoning tokens.",
+        minimum=1,
+        maximum=4096,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "sampling.temperature",
+        0.6,
+        "Reasoning sampling temperature; 0 = greedy.",
+        minimum=0.0,
+        maximum=2.0,
+        dynamic=True,
+    ),
+    ParamSpec("sampling.top_p", 0.98, "Nucleus sampling mass for reasoning.", minimum=0.01, maximum=1.0, dynamic=True),
+    ParamSpec(
+        "sampling.cfg_weight",
+        0.0,
+        "Navigation classifier-free guidance weight (1 = conditional only); 0 = off. Used only with a route.",
+        minimum=0.0,
+        maximum=10.0,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "sampling.seed",
+        0,
+        "Random seed of every plan (same input -> same plan).",
+        minimum=0,
+        maximum=2**31 - 1,
+        dynamic=True,
+    ),
+    ParamSpec(
+        "gates.max_first_waypoint_error_m",
+        2.0,
+        "Drop a plan whose first waypoint is further than this from where the history speed puts the ego after one step.",
+        minimum=0.1,
+        maximum=100.0,
+        dynamic=True,
+    ),
+    # QoS and diagnostics
+    ParamSpec("qos.cameras.reliability", "best_effort", "Camera subscriptions reliability.", choices=RELIABILITIES),
+    ParamSpec("qos.cameras.depth", 2, "Camera subscriptions queue depth.", minimum=1, maximum=100),
+    ParamSpec("qos.odometry.reliability", "best_effort", "Odometry subscription reliability.", choices=RELIABILITIES),
+    ParamSpec("qos.odometry.depth", 50, "Odometry subscription queue depth.", minimum=1, maximum=1000),
+    ParamSpec(
+        "qos.navigation.durability",
+        "volatile",
+        "Navigation subscription durability (transient_local for latched routes).",
+        choices=DURABILITIES,
+    ),
+    ParamSpec("qos.outputs.depth", 5, "Output publishers queue depth (reliable, volatile).", minimum=1, maximum=100),
+    ParamSpec(
+        "diagnostics.rate_hz",
+        1.0,
+        "Diagnostics publish rate (also published after every plan or failure).",
+        minimum=0.1,
+        maximum=50.0,
+    ),
+)
+
+SPECS: dict[str, ParamSpec] = {spec.name: spec for spec in PARAMETERS}
+
+
+@dataclass(frozen=True)
+class CameraInput:
+    topic: str
+    index: int
+    transport: str  # raw | compressed
+
+
+@dataclass(frozen=True)
+class DriveSettings:
+    """Validated node configuration (times already in ns where the inputs package wants ns)."""
+
+    checkpoint_path: str
+    backend: str
+    device: str
+    dtype: str | None  # None: the checkpoint's dtype
+    model_id: str
+    backend_options: dict[str, Any]
+    cameras: tuple[CameraInput, ...]
+    frame_sync: FrameSyncConfig
+    ego_history: EgoHistoryConfig
+    image_size: tuple[int, int] | None  # (width, height)
+    odometry_topic: str
+    navigation_topic: str
+    navigation_max_age_ns: int
+    output_frame: str
+    ego_frame_id: str
+    planning_period_s: float
+    planning_trigger: str
+    sampling: SamplingSettings
+    selection: str
+    max_first_waypoint_error_m: float
+    qos: dict[str, Any] = field(default_factory=dict)
+    diagnostics_period_s: float = 1.0
+
+
+def check_value(name: str, value: Any) -> None:
+    """Type, range and choice check of one value against its spec."""
+    spec = SPECS[name]
+    default = spec.default
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        item = type(default[0])
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
+    if not ok:
+        raise ParameterError(name, f"expected {type(default).__name__}, got {value!r}")
+    if spec.minimum is not None and value < spec.minimum:
+        raise ParameterError(name, f"{value} is below the minimum {spec.minimum}")
+    if spec.maximum is not None and value > spec.maximum:
+        raise ParameterError(name, f"{value} is above the maximum {spec.maximum}")
+    if spec.choices and value not in spec.choices:
+        raise ParameterError(name, f"{value!r} is not one of {', '.join(spec.choices)}")
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * NS_PER_S))
+
+
+def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> DriveSettings:
+    """Validate a complete name -> value map (as declared) into DriveSettings."""
+    for name in SPECS:
+        if name not in values:
+            raise ParameterError(name, "missing")
+        check_value(name, values[name])
+    v = values
+    checkpoint = v["model.checkpoint_path"]
+    if not checkpoint:
+        raise ParameterError("model.checkpoint_path", "empty; set it to the checkpoint directory")
+    if check_paths and not os.path.isdir(checkpoint):
+        raise ParameterError("model.checkpoint_path", f"no such directory: {checkpoint}")
+    if not DEVICE_PATTERN.match(v["model.device"]):
+        raise ParameterError("model.device", f"{v['model.device']!r} is not cpu, cuda or cuda:N")
+    cameras = _parse_cameras(v["cameras.topics"], v["cameras.indices"], v["cameras.transports"])
+    for name in ("odometry.topic", "navigation.topic", "output.ego_frame_id"):
+        if not v[name]:
+            raise ParameterError(name, "empty")
+    width, height = v["images.width"], v["images.height"]
+    if (width == 0) != (height == 0):
+        raise ParameterError(
+            "images.width" if width == 0 else "images.height", "set both images.width and images.height, or neither"
+        )
+    spacing = v["cameras.frame_spacing_s"]
+    if v["cameras.max_frame_error_s"] >= spacing:
+        raise ParameterError(
+            "cameras.max_frame_error_s", f"must be below cameras.frame_spacing_s ({spacing}) or frames could repeat"
+        )
+    frame_sync = FrameSyncConfig(
+        camera_indices=tuple(sorted(camera.index for camera in cameras)),
+        frames_per_camera=v["cameras.frames"],
+        frame_spacing_ns=_ns(spacing),
+        max_frame_error_ns=_ns(v["cameras.max_frame_error_s"]),
+        max_skew_ns=_ns(v["cameras.max_skew_s"]),
+        max_age_ns=_ns(v["cameras.max_age_s"]),
+    )
+    ego_history = EgoHistoryConfig(
+        num_poses=v["history.length"],
+        dt_ns=_ns(v["history.dt_s"]),
+        max_stale_ns=_ns(v["odometry.max_stale_s"]),
+        max_gap_ns=_ns(v["odometry.max_gap_s"]),
+    )
+    model_dtype = None if v["model.dtype"] == "auto" else v["model.dtype"]
+    engine_dtype = model_dtype if v["vllm.dtype"] == "auto" else v["vllm.dtype"]
+    backend_options = {
+        **({"dtype": engine_dtype} if engine_dtype else {}),
+        "max_images": len(cameras) * v["cameras.frames"],  # every frame of one request
+        "gpu_memory_utilization": float(v["vllm.gpu_memory_utilization"]),
+        "kv_cache_gib": float(v["vllm.kv_cache_gib"]) or None,
+        "max_model_len": v["vllm.max_model_len"],
+        "tensor_parallel_size": v["vllm.tensor_parallel_size"],
+        "enforce_eager": v["vllm.enforce_eager"],
+        "quantization": v["vllm.quantization"] or None,
+    }
+    return DriveSettings(
+        checkpoint_path=checkpoint,
+        backend=v["model.backend"],
+        device=v["model.device"],
+        dtype=model_dtype,
+        model_id=v["model.id"] or os.path.basename(os.path.normpath(checkpoint)),
+        backend_options=backend_options if v["model.backend"] == "vllm" else {},
+        cameras=cameras,
+        frame_sync=frame_sync,
+        ego_history=ego_history,
+        image_size=(width, height) if width else None,
+        odometry_topic=v["odometry.topic"],
+        navigation_topic=v["navigation.topic"],
+        navigation_max_age_ns=_ns(v["navigation.max_age_s"]),
+        output_frame=v["output.frame"],
+        ego_frame_id=v["output.ego_frame_id"],
+        planning_period_s=1.0 / v["planning.rate_hz"],
+        planning_trigger=v["planning.trigger"],
+        sampling=sampling_settings(v),
+        selection=v["sampling.selection"],
+        max_first_waypoint_error_m=float(v["gates.max_first_waypoint_error_m"]),
+        qos={name.removeprefix("qos."): v[name] for name in SPECS if name.startswith("qos.")},
+        diagnostics_period_s=1.0 / v["diagnostics.rate_hz"],
+    )
+
+
+def sampling_settings(v: Mapping[str, Any]) -> SamplingSettings:
+    """The sampling.* parameters as the pipeline's SamplingSettings."""
+    return SamplingSettings(
+        num_samples=v["sampling.num_samples"],
+        temperature=float(v["sampling.temperature"]),
+        top_p=float(v["sampling.top_p"]),
+        max_reasoning_tokens=v["sampling.max_reasoning_tokens"],
+        flow_steps=v["sampling.flow_steps"],
+        cfg_weight=float(v["sampling.cfg_weight"]) or None,
+        seed=v["sampling.seed"],
+    )
+
+
+def _parse_cameras(topics: list[str], indices: list[int], transports: list[str]) -> tuple[CameraInput, ...]:
+    if not topics:
+        raise ParameterError("cameras.topics", "empty; give at least one camera topic")
+    if len(indices) != len(topics):
+        raise ParameterError("cameras.indices", f"{len(indices)} indices for {len(topics)} cameras.topics")
+    if len(transports) != len(topics):
+        raise ParameterError("cameras.transports", f"{len(transports)} transports for {len(topics)} cameras.topics")
+    unknown = [index for index in indices if index not in CAMERAS]
+    if unknown:
+        raise ParameterError("cameras.indices", f"unknown camera index {unknown[0]} (known: {sorted(CAMERAS)})")
+    duplicates = sorted({index for index in indices if indices.count(index) > 1})
+    if duplicates:
+        raise ParameterError("cameras.indices", f"duplicate camera index {duplicates[0]}")
+    if len(set(topics)) != len(topics) or not all(topics):
+        raise ParameterError("cameras.topics", "topics must be non-empty and unique")
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad:
+        raise ParameterError("cameras.transports", f"{bad[0]!r} is not one of {', '.join(TRANSPORTS)}")
+    return tuple(CameraInput(topic, index, transport) for topic, index, transport in zip(topics, indices, transports))
+
+
+def write_params_file(path: Path, parameters: Mapping[str, Any]) -> Path:
+    """Write dotted parameter names as a `/**: ros__parameters:` YAML file (node and evaluator input)."""
+    nested: dict[str, Any] = {}
+    for name, value in parameters.items():
+        *groups, leaf = name.split(".")
+        target = nested
+        for group in groups:
+            target = target.setdefault(group, {})
+        target[leaf] = value
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": nested}}, sort_keys=False))
+    return path
