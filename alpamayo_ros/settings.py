@@ -22,6 +22,7 @@ import yaml
 from alpamayo_ros.core.types import CAMERAS, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, SamplingSettings
 from alpamayo_ros.inputs.ego_history import EgoHistoryConfig
 from alpamayo_ros.inputs.frame_sync import FrameSyncConfig
+from alpamayo_ros.inputs.route import DEFAULT_MAX_ROUTE_CHARS
 
 NS_PER_S = 1_000_000_000
 RELIABILITIES = ("best_effort", "reliable")
@@ -71,6 +72,12 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     ParamSpec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),
+    ParamSpec(
+        "model.stay_up_on_failure",
+        False,
+        "After a failed model load keep the node up (ERROR diagnostics) instead of exiting with code 1"
+        " (the exit lets launch's respawn act).",
+    ),
     ParamSpec(
         "vllm.dtype",
         "auto",
@@ -208,11 +215,27 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         "navigation.topic", "/navigation/instruction", "std_msgs/String route instruction (e.g. 'Turn right in 30m')."
     ),
     ParamSpec(
+        "navigation.max_chars",
+        DEFAULT_MAX_ROUTE_CHARS,
+        "Longest route text accepted; a longer one (or one holding model tokens) is refused at arrival"
+        " and planning goes on without a route.",
+        minimum=1,
+        maximum=100_000,
+    ),
+    ParamSpec(
         "navigation.max_age_s",
         0.0,
         "Forget the route instruction this long after it arrived; 0 = keep it.",
         minimum=0.0,
         maximum=3600.0,
+    ),
+    ParamSpec(
+        "inputs.max_future_s",
+        0.5,
+        "Largest time a camera or odometry stamp may be ahead of the node clock; beyond it the sensor"
+        " is at fault (camera_future / odometry_future) and no plan is made.",
+        minimum=0.0,
+        maximum=60.0,
     ),
     # output
     ParamSpec(
@@ -283,10 +306,11 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         dynamic=True,
     ),
     ParamSpec(
-        "gates.max_first_waypoint_error_m",
-        2.0,
-        "Drop a plan whose first waypoint is further than this from where the history speed puts the ego after one step.",
-        minimum=0.1,
+        "gates.max_lateral_accel_mps2",
+        12.0,
+        "Drop a plan whose speed^2 x curvature exceeds this anywhere (no car corners above ~1 g); plans"
+        " with non-finite values or actions outside the model's action bounds are always dropped.",
+        minimum=1.0,
         maximum=100.0,
         dynamic=True,
     ),
@@ -308,6 +332,14 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         "Diagnostics publish rate (also published after every plan or failure).",
         minimum=0.1,
         maximum=50.0,
+    ),
+    ParamSpec(
+        "diagnostics.max_plan_silence_s",
+        10.0,
+        "Once ready, no published plan for this long is a fault (WARN planning_stalled), whatever the inputs"
+        " look like.",
+        minimum=0.5,
+        maximum=3600.0,
     ),
 )
 
@@ -338,13 +370,17 @@ class DriveSettings:
     odometry_topic: str
     navigation_topic: str
     navigation_max_age_ns: int
+    navigation_max_chars: int
+    max_future_ns: int
+    stay_up_on_failure: bool
+    max_plan_silence_ns: int
     output_frame: str
     ego_frame_id: str
     planning_period_s: float
     planning_trigger: str
     sampling: SamplingSettings
     selection: str
-    max_first_waypoint_error_m: float
+    max_lateral_accel_mps2: float
     qos: dict[str, Any] = field(default_factory=dict)
     diagnostics_period_s: float = 1.0
 
@@ -446,13 +482,17 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         odometry_topic=v["odometry.topic"],
         navigation_topic=v["navigation.topic"],
         navigation_max_age_ns=_ns(v["navigation.max_age_s"]),
+        navigation_max_chars=v["navigation.max_chars"],
+        max_future_ns=_ns(v["inputs.max_future_s"]),
+        stay_up_on_failure=v["model.stay_up_on_failure"],
+        max_plan_silence_ns=_ns(v["diagnostics.max_plan_silence_s"]),
         output_frame=v["output.frame"],
         ego_frame_id=v["output.ego_frame_id"],
         planning_period_s=1.0 / v["planning.rate_hz"],
         planning_trigger=v["planning.trigger"],
         sampling=sampling_settings(v),
         selection=v["sampling.selection"],
-        max_first_waypoint_error_m=float(v["gates.max_first_waypoint_error_m"]),
+        max_lateral_accel_mps2=float(v["gates.max_lateral_accel_mps2"]),
         qos={name.removeprefix("qos."): v[name] for name in SPECS if name.startswith("qos.")},
         diagnostics_period_s=1.0 / v["diagnostics.rate_hz"],
     )

@@ -25,6 +25,9 @@ except ImportError:  # PyPI ROS 2 wheels: no launch / launch_ros
     LaunchDescription = None
 
 PACKAGE = "alpamayo_ros"
+#: launch's SIGINT -> SIGTERM wait for the node: it exits within 3 s in any state (a plan in
+#: flight stops at its next step); the rest is slack for a loaded machine
+SIGTERM_TIMEOUT_S = 10.0
 
 #: launch argument -> node parameter it overrides (when not empty)
 PARAMETER_ARGUMENTS: dict[str, str] = {

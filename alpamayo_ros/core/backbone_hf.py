@@ -16,6 +16,7 @@ tower for all but one row, and makes the stop rule explicit:
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from typing import Sequence
 
@@ -24,6 +25,7 @@ import torch
 from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
 from .config import AlpamayoConfig
 from .tokenizer import AlpamayoTokenizer
+from .types import PlanCancelled
 
 def sample_next(
     logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None
@@ -46,6 +48,8 @@ class HFBackbone:
     """Backbone protocol implementation on a loaded transformers Qwen3-VL (see module doc)."""
 
     name = "hf"
+    #: set by the Pipeline: decoding stops (PlanCancelled) between steps once it is set
+    stop: threading.Event | None = None
 
     def __init__(self, model, tokenizer: AlpamayoTokenizer, config: AlpamayoConfig) -> None:
         if model.lm_head.out_features != config.vocab_size or len(tokenizer) != config.vocab_size:
@@ -140,6 +144,7 @@ class HFBackbone:
         finished = torch.zeros(num_samples, dtype=torch.bool, device=self.device)
         found_stop = torch.zeros_like(finished)
         for step in range(max_new_tokens):
+            self._check_stop()
             logits[:, self._masked[0] : self._masked[1]] = float("-inf")
             if step < min_new_tokens:
                 logits[:, [ids.traj_future_start, ids.im_end]] = float("-inf")
@@ -154,6 +159,10 @@ class HFBackbone:
             logits = self._step(token[:, None], cache, prompt_len + step, prompt.rope_delta)
         timings["decode"] = self._clock() - prefilled
         return cache, torch.stack(tokens, dim=1)
+
+    def _check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise PlanCancelled("decoding cancelled: the pipeline is stopping")
 
     @torch.inference_mode()
     def prefill(self, prompt: PromptInputs, generated_ids: Sequence[Sequence[int]]) -> PrefixCache:

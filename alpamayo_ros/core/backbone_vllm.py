@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class VLLMBackbone:
     name = "vllm"
     #: vLLM uploads the frames of the images it has to encode; the rest stay on the host
     pixel_device = torch.device("cpu")
+    #: set by the Pipeline: the engine loop aborts the requests (PlanCancelled) once it is set
+    stop: threading.Event | None = None
 
     def __init__(self, config: AlpamayoConfig, token_ids: TokenIds, options: EngineOptions = EngineOptions()) -> None:
         global _open_backbone
@@ -257,6 +260,7 @@ class VLLMBackbone:
             capture=capture,
             timings=timings,
             model_mask=mask if in_model else None,
+            stop=self.stop,
         )
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
         return results

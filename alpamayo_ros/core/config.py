@@ -183,7 +183,7 @@ class AlpamayoConfig:
         backbone = load_backbone_config(checkpoint_dir, vlm_name)
 
         traj_vocab_size = _require(raw, "traj_vocab_size", int)
-        traj_start = int(raw.get("traj_token_start_idx", QWEN3_VOCAB_SIZE))
+        traj_start = _integer(raw.get("traj_token_start_idx", QWEN3_VOCAB_SIZE), "traj_token_start_idx")
         if traj_start != QWEN3_VOCAB_SIZE:
             raise ValueError(f"traj_token_start_idx: expected {QWEN3_VOCAB_SIZE}, got {traj_start}")
         vocab_size = _require(raw, "vocab_size", int)
@@ -203,18 +203,22 @@ class AlpamayoConfig:
         hist = _spec(raw, "hist_traj_tokenizer_cfg")
         if hist.get("predict_yaw", False):
             raise ValueError("hist_traj_tokenizer_cfg.predict_yaw: only false is supported")
-        hist_bins = int(hist.get("num_bins", 1000))
+        hist_bins = _integer(hist.get("num_bins", 1000), "hist_traj_tokenizer_cfg.num_bins")
         hist_min = _triple(hist.get("ego_xyz_min", (-4, -4, -10)), "hist_traj_tokenizer_cfg.ego_xyz_min")
         hist_max = _triple(hist.get("ego_xyz_max", (4, 4, 10)), "hist_traj_tokenizer_cfg.ego_xyz_max")
         # Upstream offsets history bins by the discrete future tokenizer's vocabulary, if any.
-        future_bins = int(_spec(raw, "traj_tokenizer_cfg").get("num_bins", 0)) if raw.get("traj_tokenizer_cfg") else 0
+        future_bins = (
+            _integer(_spec(raw, "traj_tokenizer_cfg").get("num_bins", 0), "traj_tokenizer_cfg.num_bins")
+            if raw.get("traj_tokenizer_cfg")
+            else 0
+        )
         hist_start = traj_start + future_bins
         if hist_start + hist_bins > traj_start + traj_vocab_size:
             raise ValueError(
                 f"hist_traj_tokenizer_cfg.num_bins: bins [{hist_start}, {hist_start + hist_bins}) overflow the "
                 f"<i*> range ending at {traj_start + traj_vocab_size} (traj_vocab_size {traj_vocab_size})"
             )
-        tokens_per_history = int(raw.get("tokens_per_history_traj", 48))
+        tokens_per_history = _integer(raw.get("tokens_per_history_traj", 48), "tokens_per_history_traj")
         if tokens_per_history != 48:
             raise ValueError(f"tokens_per_history_traj: expected 48 (16 poses x 3), got {tokens_per_history}")
 
@@ -235,7 +239,7 @@ class AlpamayoConfig:
             hist_xyz_min=hist_min,
             hist_xyz_max=hist_max,
             tokens_per_history_traj=tokens_per_history,
-            tokens_per_future_traj=int(raw.get("tokens_per_future_traj", 128)),
+            tokens_per_future_traj=_integer(raw.get("tokens_per_future_traj", 128), "tokens_per_future_traj"),
             flow_steps=flow_steps,
             model_dtype=str(raw.get("model_dtype", "bfloat16")),
             raw=raw,
@@ -307,11 +311,11 @@ def _expert_config(raw: dict[str, Any], backbone: BackboneConfig) -> ExpertConfi
         rope_theta=float(rope["rope_theta"]),
         mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
         mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-        action_hidden_size=int(proj.get("hidden_size", 1024)),
-        num_fourier_feats=int(proj.get("num_fourier_feats", 20)),
+        action_hidden_size=_integer(proj.get("hidden_size", 1024), "action_in_proj_cfg.hidden_size"),
+        num_fourier_feats=_integer(proj.get("num_fourier_feats", 20), "action_in_proj_cfg.num_fourier_feats"),
         max_freq=float(proj.get("max_freq", 100.0)),
-        num_enc_layers=int(proj.get("num_enc_layers", 4)),
-        n_waypoints=int(_spec(raw, "action_space_cfg").get("n_waypoints", 64)),
+        num_enc_layers=_integer(proj.get("num_enc_layers", 4), "action_in_proj_cfg.num_enc_layers"),
+        n_waypoints=_integer(_spec(raw, "action_space_cfg").get("n_waypoints", 64), "action_space_cfg.n_waypoints"),
     )
 
 
@@ -332,10 +336,10 @@ def _spec(raw: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _action_space(kwargs: dict[str, Any]) -> ActionSpaceConfig:
     values = dict(kwargs)
-    for key in ("accel_bounds", "curvature_bounds"):
-        if key in values:
-            values[key] = tuple(float(v) for v in values[key])
     try:
+        for key in ("accel_bounds", "curvature_bounds"):
+            if key in values:
+                values[key] = tuple(float(v) for v in values[key])
         return ActionSpaceConfig(**values)
     except (TypeError, ValueError) as error:
         raise ValueError(f"action_space_cfg: {error}") from error
@@ -375,6 +379,18 @@ def _require(raw: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def _triple(value: Any, name: str) -> tuple[float, float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 3:
+    numbers = isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    )
+    if not numbers or len(value) != 3:
         raise ValueError(f"{name}: expected 3 numbers, got {value!r}")
     return tuple(float(v) for v in value)
+
+
+def _integer(value: Any, name: str) -> int:
+    """An int field of config.json (an integral float is accepted); the error names the field."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    return value

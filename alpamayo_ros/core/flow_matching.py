@@ -12,6 +12,7 @@ length-bucketed ExpertStates, and on CUDA every step of the loop replayed as one
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel
 from alpamayo_ros.core.expert_state import ExpertState, LayerStep, prepared_layer_step
-from alpamayo_ros.core.types import NUM_WAYPOINTS
+from alpamayo_ros.core.types import NUM_WAYPOINTS, PlanCancelled
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ class ExpertSampler:
     the expert's parameters stay where they are: a graph holds their addresses.
     """
 
+    #: set by the Pipeline: eager sampling stops (PlanCancelled) between flow steps once it is set
+    stop: threading.Event | None = None
+
     def __init__(
         self,
         expert: ActionExpertModel,
@@ -258,6 +262,8 @@ class ExpertSampler:
         """Euler loop over a loaded state; guided rows ride along in the same batch."""
 
         def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            if self.stop is not None and self.stop.is_set():  # a host check, never captured
+                raise PlanCancelled("flow matching cancelled: the pipeline is stopping")
             if weight is None:
                 return self.expert.velocity_prepared(x, t, state, layer_step=self._layer_step)
             both = self.expert.velocity_prepared(

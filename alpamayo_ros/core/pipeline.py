@@ -13,6 +13,7 @@ is the upstream layout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from .frame_cache import FrameCache, frame_key
 from .preprocess import PreprocessedImages
 from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
 from .tokenizer import AlpamayoTokenizer, extract_between
-from .types import DrivingInput, Plan, SamplingSettings
+from .types import DrivingInput, Plan, PlanCancelled, SamplingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,10 @@ class Pipeline:
         self.expert_sampler = flow_matching.ExpertSampler(
             expert, bucket=256 if on_gpu else 1, compile_layers=on_gpu
         )
+        # Cooperative stop (shutdown): checked between decode steps, flow steps and stages.
+        self.stop = threading.Event()
+        self.backbone.stop = self.stop
+        self.expert_sampler.stop = self.stop
 
     @classmethod
     def from_checkpoint(
@@ -123,6 +128,11 @@ class Pipeline:
             "loaded %s (%s backend, %s, %s) in %.1f s", path, backend, device, dtype, time.perf_counter() - started
         )
         return cls(config, tokenizer, backbone, expert, device=device, frame_cache=frame_cache)
+
+    def cancel(self) -> None:
+        """Stop the plan in flight at its next decode or flow step, and every later one
+        (PlanCancelled); for shutdown, callable from any thread."""
+        self.stop.set()
 
     def close(self) -> None:
         """Release the backend (the vLLM engine holds most of the GPU); the pipeline is unusable after."""
@@ -182,6 +192,7 @@ class Pipeline:
         """
         timings: dict[str, float] = {}
         total_start = time.perf_counter()
+        self._check_stop()
         with self._timed(timings, "preprocess"):
             images = self.preprocess(inputs)
         with self._timed(timings, "prompt"):
@@ -203,6 +214,7 @@ class Pipeline:
         if settings.cfg_weight is not None and not guided:
             logger.debug("cfg_weight set but the input has no route_text: plain sampling")
         uncond_cache = None
+        self._check_stop()
         if guided:
             with self._timed(timings, "cfg_prefill"):
                 free_ids = remove_route_span(prompt.input_ids.tolist(), self.tokenizer)
@@ -224,7 +236,11 @@ class Pipeline:
             rows = settings.num_samples
             hist_xyz = torch.from_numpy(inputs.ego_history_xyz).expand(rows, -1, -1)
             hist_rot = torch.from_numpy(inputs.ego_history_rot).expand(rows, -1, -1, -1)
-            xyz, rot = self.action_space.action_to_traj(action.float().cpu(), hist_xyz, hist_rot)
+            action = action.float().cpu()
+            xyz, rot = self.action_space.action_to_traj(action, hist_xyz, hist_rot)
+            space = self.action_space.config
+            accel = action[..., 0] * space.accel_std + space.accel_mean
+            curvature = action[..., 1] * space.curvature_std + space.curvature_mean
         timings["total"] = (time.perf_counter() - total_start) * 1e3
         return Plan(
             xyz=xyz.float().cpu().numpy(),
@@ -237,7 +253,14 @@ class Pipeline:
             t0_ns=inputs.t0_ns,
             backend=self.backbone.name,
             timings_ms=timings,
+            accel_mps2=accel.numpy(),
+            curvature_per_m=curvature.numpy(),
+            within_bounds=self.action_space.is_within_bounds(action).numpy(),
         )
+
+    def _check_stop(self) -> None:
+        if self.stop.is_set():
+            raise PlanCancelled("plan cancelled: the pipeline is stopping")
 
     @torch.inference_mode()
     def generate_text(

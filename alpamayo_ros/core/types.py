@@ -72,6 +72,10 @@ class DrivingInput:
             raise ValueError("ego_history: non-finite values")
 
 
+class PlanCancelled(RuntimeError):
+    """A plan stopped between decode or flow steps because its stop event was set (shutdown)."""
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """How one plan is sampled. Defaults follow upstream's rollout entry point."""
@@ -96,6 +100,9 @@ class Plan:
     coc: chain-of-causation text per sample.
     generated_ids: reasoning token ids per sample (up to and including <|traj_future_start|>).
     timings_ms: stage name -> milliseconds (preprocess, backbone, expert, action, total, ...).
+    accel_mps2, curvature_per_m: float32 (samples, 64) the model's actions, de-normalised
+        (what the output gate checks; None from producers that do not report them).
+    within_bounds: bool (samples,) every action step inside the action space's own bounds.
     """
 
     xyz: np.ndarray
@@ -105,6 +112,9 @@ class Plan:
     t0_ns: int
     backend: str
     timings_ms: dict[str, float] = field(default_factory=dict)
+    accel_mps2: np.ndarray | None = None
+    curvature_per_m: np.ndarray | None = None
+    within_bounds: np.ndarray | None = None
 
     @property
     def yaw(self) -> np.ndarray:

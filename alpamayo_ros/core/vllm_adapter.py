@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 from .preprocess import PreprocessedImages, VisionGeometry, frames_to_patches
+from .types import PlanCancelled
 
 logger = logging.getLogger(__name__)
 
@@ -769,6 +771,7 @@ def run_requests(
     capture: bool,
     timings: dict[str, float] | None = None,
     model_mask: MaskSpec | None = None,
+    stop: threading.Event | None = None,
 ) -> list[RequestResult]:
     """Run requests to completion and return their ids (and K/V), in request order.
 
@@ -781,6 +784,7 @@ def run_requests(
     model_mask: ids the model itself hides from every request during this call only (see
     AlpamayoQwen3VLForConditionalGeneration.set_token_mask), instead of a per-request
     TokenMask spec (EngineOptions.mask_in_model).
+    stop: once set, the requests are aborted between engine steps (PlanCancelled).
     """
     engine = llm.llm_engine
     started = time.perf_counter()
@@ -798,6 +802,8 @@ def run_requests(
                 sink.wanted.add(internal[ext])
         added = time.perf_counter()
         while engine.has_unfinished_requests():
+            if stop is not None and stop.is_set():
+                raise PlanCancelled("vLLM requests cancelled: the pipeline is stopping")
             for output in engine.step():
                 ids = list(output.outputs[0].token_ids)
                 if first_token is None and ids:

@@ -25,6 +25,9 @@ class RejectReason(str, Enum):
     HISTORY_SHORT = "history_short"  # odometry does not reach back to t0 - history span
     HISTORY_GAP = "history_gap"  # odometry samples around a history time too far apart
     ODOMETRY_NONFINITE = "odometry_nonfinite"  # NaN/inf odometry inside the history window
+    ODOMETRY_FRAME_CHANGED = "odometry_frame_changed"  # odometry header.frame_id changed; history cleared
+    CAMERA_FUTURE = "camera_future"  # a camera's stamps are ahead of the node clock beyond the tolerance
+    ODOMETRY_FUTURE = "odometry_future"  # odometry stamps are ahead of the node clock beyond the tolerance
 
 
 @dataclass(frozen=True)

@@ -111,13 +111,13 @@ class OdometryBuffer:
         self._quat.append(quat)
         self._prune(stamp_ns)
 
-    def reset(self, detail: str) -> None:
-        """Clear the buffer after a time jump; the next history() reports it once."""
+    def reset(self, detail: str, reason: RejectReason = RejectReason.TIME_BACKWARDS) -> None:
+        """Clear the buffer (a time jump, a frame change); the next history() reports it once."""
         self._stamps.clear()
         self._xyz.clear()
         self._quat.clear()
         self._nonfinite_ns.clear()
-        self._pending_reset = Rejection(RejectReason.TIME_BACKWARDS, f"{detail}; odometry buffer cleared")
+        self._pending_reset = Rejection(reason, f"{detail}; odometry buffer cleared")
 
     def _prune(self, newest_ns: int) -> None:
         cfg = self.config

@@ -1,0 +1,57 @@
+"""Where the drive node's plans come from: one factory from settings to a Planner.
+
+The inference worker only knows this protocol, so another planner (a remote one behind
+`model.backend`) slots in here without touching the worker's state machine or the node.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.settings import DriveSettings
+
+
+class Planner(Protocol):
+    """Plans one input at a time; cancel() may be called from any thread."""
+
+    def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:
+        """One plan; raises PlanCancelled once cancel() was called."""
+
+    def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
+        """Run what the first real plan would otherwise pay for (allocations, compilation)."""
+
+    def cancel(self) -> None:
+        """Stop the plan in flight at its next step, and refuse later ones (shutdown)."""
+
+    def close(self) -> None:
+        """Release the model (call from the thread that planned: vLLM frees GPU memory there)."""
+
+
+class PipelinePlanner:
+    """The in-process model (hf or vllm backend)."""
+
+    def __init__(self, settings: DriveSettings) -> None:
+        from alpamayo_ros.core.pipeline import Pipeline  # torch is imported here, not by the ROS layer
+
+        self._pipeline = Pipeline.from_checkpoint(
+            settings.checkpoint_path, backend=settings.backend, device=settings.device,
+            dtype=settings.dtype, backend_options=settings.backend_options,
+        )  # fmt: skip
+
+    def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:
+        return self._pipeline.plan(driving_input, sampling)
+
+    def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
+        self._pipeline.plan(driving_input, sampling)
+
+    def cancel(self) -> None:
+        self._pipeline.cancel()
+
+    def close(self) -> None:
+        self._pipeline.close()
+
+
+def make_planner(settings: DriveSettings) -> Planner:
+    """The planner model.backend asks for (slow: loads the model)."""
+    return PipelinePlanner(settings)
