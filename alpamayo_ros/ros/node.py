@@ -60,7 +60,7 @@ NODE_NAME = "alpamayo_drive"
 LOG_THROTTLE_S = 5.0
 WARMUP_SIZE = (576, 320)  # (width, height) of warm-up frames when images.* keep native size
 NS_PER_MS = 1_000_000
-STOP_WAIT_S = 2.0  # a plan stops within one decode/flow step; only a model load takes longer
+STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step; a model load or a prefill can take longer
 EXIT_LOAD_FAILED = 1
 
 
@@ -389,12 +389,15 @@ class DriveNode(Node):
     def _now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
 
-    def close(self) -> bool:
-        """Stop the worker (cooperatively); True when it has ended, False while a model load runs on."""
+    def close(self) -> None:
+        """Stop the worker cooperatively; a model load that cannot be interrupted is left behind."""
+        state = self._worker.state
+        self.get_logger().info(f"shutting down ({state.value})")
         stopped = self._worker.stop(timeout_s=STOP_WAIT_S)
         if not stopped:
-            self.get_logger().warning(f"inference worker still {self._worker.state.value}; exiting without it")
-        return stopped
+            self.get_logger().warning(
+                f"inference worker still busy {STOP_WAIT_S:.0f} s after stop ({state.value}); exiting without it"
+            )
 
 
 def _format(value: Any) -> str:
@@ -424,7 +427,7 @@ def main(args: list[str] | None = None) -> int:
         print(help_text(NODE_NAME))  # noqa: T201 - the console script's help text
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] [%(name)s]: %(message)s")
-    code, worker_ended = 0, True
+    code = 0
     try:
         ros = rclpy.init(args=argv)
     except RuntimeError as exc:  # rclpy's UnknownROSArgsError: a mistyped ROS argument
@@ -453,18 +456,19 @@ def main(args: list[str] | None = None) -> int:
                 if ros.context.ok():
                     raise
             finally:
-                worker_ended = node.close()
+                node.close()
                 code = node.exit_code or 0
                 executor.shutdown(timeout_sec=1.0)
                 node.destroy_node()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    if not worker_ended:
-        # The worker is inside a model load (C++ code that cannot be interrupted): the
-        # interpreter's teardown under it would abort ("terminate called"). ROS is shut down
-        # and logs are flushed; end the process here.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    finally:
+        ros.context.destroy()  # the DDS participant and its shared-memory segments go now
+    # ROS is shut down and nothing is left to clean up. The interpreter's own teardown would
+    # free torch and OpenMP state for seconds on a loaded machine (the launch SIGTERM deadline),
+    # and abort ("terminate called") under a worker still inside a model load that cannot be
+    # interrupted. Flush the logs and end the process here.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

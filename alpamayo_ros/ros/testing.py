@@ -219,6 +219,8 @@ class SensorRig:
         self.odometry_stopped = False
         self.odometry_nan = False  # publish NaN positions while set
         self.stamp_offset_ns = 0  # added to every stamp (time going backwards: negative)
+        self.odometry_offset_ns = 0  # added to odometry stamps only
+        self.odometry_frame_id = "odom"
         self._sim_start_ns = None if sim_start_s is None else int(sim_start_s * 1e9)
         self._sim_jump_ns = 0
         self._mono_start_ns = time.monotonic_ns()
@@ -295,7 +297,7 @@ class SensorRig:
 
         msg = self._odometry_type()
         msg.header.stamp = ns_to_stamp(stamp_ns)
-        msg.header.frame_id, msg.child_frame_id = "odom", "base_link"
+        msg.header.frame_id, msg.child_frame_id = self.odometry_frame_id, "base_link"
         x, y = self.ego_xy(stamp_ns)
         if self.odometry_nan:
             x = math.nan
@@ -326,7 +328,8 @@ class SensorRig:
                 next_clock = mono + self.CLOCK_PERIOD_NS
             if mono >= next_odometry:
                 if not self.odometry_stopped:
-                    self._odometry_pub.publish(self._odometry_message(now + self.stamp_offset_ns))
+                    stamp = now + self.stamp_offset_ns + self.odometry_offset_ns
+                    self._odometry_pub.publish(self._odometry_message(stamp))
                 next_odometry += self.ODOMETRY_PERIOD_NS
             if mono >= next_camera:
                 for camera in self.cameras:
