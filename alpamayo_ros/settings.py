@@ -308,8 +308,8 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ParamSpec(
         "gates.max_lateral_accel_mps2",
         12.0,
-        "Drop a plan whose speed^2 x curvature exceeds this anywhere (no car corners above ~1 g); plans"
-        " with non-finite values or actions outside the model's action bounds are always dropped.",
+        "Drop a plan whose speed^2 x curvature, held for 1 s, exceeds this (no car corners above ~1 g);"
+        " plans with non-finite values or actions outside the model's action bounds are always dropped.",
         minimum=1.0,
         maximum=100.0,
         dynamic=True,

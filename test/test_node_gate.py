@@ -1,0 +1,88 @@
+"""The output gate (alpamayo_ros/ros/gate.py) on plans the model produced (issue 12 acceptance 4).
+
+Bad plans come from real checkpoints whose action head was edited the way a broken model
+would behave: scaled up (actions far outside the action space's bounds), NaN bias, or a
+constant hard turn at speed (curvature within bounds, lateral acceleration impossible). The
+tiny checkpoint as written, on inputs like the demo's (5-15 m/s, straight), passes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.types import DrivingInput, SamplingSettings
+from alpamayo_ros.ros.gate import gate_plan
+
+SAMPLING = SamplingSettings(num_samples=2, max_reasoning_tokens=4, flow_steps=4)
+MAX_LATERAL = 12.0  # gates.max_lateral_accel_mps2 default
+
+
+def edited_checkpoint(source: Path, target: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> Path:
+    """A copy of source whose action_out_proj tensors were changed by edit(tensors, action_space_cfg)."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    edit(tensors, config["action_space_cfg"])
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+def plans(checkpoint: Path, make_input: Callable[..., DrivingInput], speeds: tuple[float, ...],
+          sampling: SamplingSettings = SAMPLING) -> list:  # fmt: skip
+    pipeline = Pipeline.from_checkpoint(checkpoint)
+    try:
+        return [pipeline.plan(make_input(height=64, width=96, speed_mps=v, seed=i), sampling) for i, v in enumerate(speeds)]
+    finally:
+        pipeline.close()
+
+
+def test_good_plans_pass(tiny_checkpoint: Path, make_driving_input) -> None:
+    for plan in plans(tiny_checkpoint, make_driving_input, (5.0, 8.0, 15.0)):
+        assert plan.within_bounds is not None and plan.within_bounds.all()
+        assert gate_plan(plan, MAX_LATERAL) is None
+
+
+def test_actions_outside_the_bounds_are_dropped(tiny_checkpoint: Path, make_driving_input, tmp_path: Path) -> None:
+    def scale(tensors: dict[str, torch.Tensor], _: dict) -> None:
+        tensors["action_out_proj.weight"] *= 1000.0
+        tensors["action_out_proj.bias"] += 50.0
+
+    (plan,) = plans(edited_checkpoint(tiny_checkpoint, tmp_path / "scaled", scale), make_driving_input, (8.0,))
+    assert not plan.within_bounds.all()
+    reason, detail = gate_plan(plan, MAX_LATERAL)
+    assert reason == "plan_out_of_bounds" and "action space's bounds" in detail
+
+
+def test_non_finite_actions_are_dropped(tiny_checkpoint: Path, make_driving_input, tmp_path: Path) -> None:
+    def poison(tensors: dict[str, torch.Tensor], _: dict) -> None:
+        tensors["action_out_proj.bias"][0] = float("nan")
+
+    (plan,) = plans(edited_checkpoint(tiny_checkpoint, tmp_path / "nan", poison), make_driving_input, (8.0,))
+    reason, detail = gate_plan(plan, MAX_LATERAL)
+    assert reason == "plan_nonfinite" and "sample 0" in detail
+
+
+def test_a_hard_turn_at_speed_is_implausible(tiny_checkpoint: Path, make_driving_input, tmp_path: Path) -> None:
+    """Curvature 0.1 1/m (inside the bounds) held at 20 m/s: 40 m/s^2 of lateral acceleration."""
+
+    def turn(tensors: dict[str, torch.Tensor], space: dict) -> None:
+        # a constant velocity field: with no initial noise the action is exactly the bias
+        tensors["action_out_proj.weight"].zero_()
+        tensors["action_out_proj.bias"].copy_(torch.tensor([
+            -space["accel_mean"] / space["accel_std"], (0.1 - space["curvature_mean"]) / space["curvature_std"],
+        ]))  # fmt: skip
+
+    no_noise = SamplingSettings(num_samples=1, max_reasoning_tokens=4, flow_steps=4, noise_temperature=0.0)
+    (plan,) = plans(edited_checkpoint(tiny_checkpoint, tmp_path / "turn", turn), make_driving_input, (20.0,), no_noise)
+    assert plan.within_bounds.all()
+    reason, detail = gate_plan(plan, MAX_LATERAL)
+    assert reason == "plan_implausible" and "lateral acceleration" in detail
+    assert gate_plan(plan, 100.0) is None  # the limit is the parameter
