@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 
 import yaml
+from ament_index_python.packages import PackageNotFoundError, get_package_prefix, get_package_share_directory
 
 try:
-    from ament_index_python.packages import get_package_share_directory
     from launch import LaunchDescription
-    from launch.actions import DeclareLaunchArgument, OpaqueFunction
-    from launch.conditions import IfCondition
+    from launch.actions import DeclareLaunchArgument, LogInfo, OpaqueFunction
     from launch.substitutions import LaunchConfiguration
     from launch_ros.actions import Node
 except ImportError:  # PyPI ROS 2 wheels: no launch / launch_ros
@@ -101,15 +100,30 @@ def _launch_nodes(context) -> list:
         ros_arguments=["--log-level", arguments["log_level"]],
         output="screen",
         emulate_tty=True,
+        sigterm_timeout=str(SIGTERM_TIMEOUT_S),
     )
+    if arguments["rviz"].lower() != "true":
+        return [drive]
+    if rviz_missing():
+        # launch would fail on the missing executable and leave alpamayo_drive running orphaned
+        return [drive, LogInfo(msg=f"rviz:=true but {rviz_missing()}; starting alpamayo_drive without it")]
     rviz = Node(
         package="rviz2",
         executable="rviz2",
         arguments=["-d", os.path.join(share, "config", "alpamayo.rviz")],
         parameters=[{"use_sim_time": overrides["use_sim_time"]}],
-        condition=IfCondition(arguments["rviz"]),
     )
     return [drive, rviz]
+
+
+def rviz_missing() -> str:
+    """Why rviz2 cannot start here ("" when it can): its package or executable is not installed."""
+    try:
+        prefix = get_package_prefix("rviz2")
+    except PackageNotFoundError:
+        return "the rviz2 package is not installed (apt install ros-<distro>-rviz2)"
+    executable = os.path.join(prefix, "lib", "rviz2", "rviz2")
+    return "" if os.access(executable, os.X_OK) else f"{executable} is missing"
 
 
 def generate_launch_description():

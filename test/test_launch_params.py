@@ -142,3 +142,17 @@ def test_launch_description_or_hint() -> None:
     description = launch.generate_launch_description()
     declared = {argument.name for argument in description.get_launch_arguments()}
     assert declared == set(launch.PARAMETER_ARGUMENTS) | set(launch.LAUNCH_ARGUMENTS)
+
+
+def test_launch_leaves_the_node_its_shutdown_time_and_checks_for_rviz() -> None:
+    """launch escalates SIGINT -> SIGTERM after sigterm_timeout: the node's 3 s shutdown fits;
+    rviz2 is looked up before it is added (a missing one would orphan the node)."""
+    launch = load_launch_module()
+    assert launch.SIGTERM_TIMEOUT_S >= 5.0
+    missing = launch.rviz_missing()
+    try:
+        from ament_index_python.packages import get_package_prefix
+
+        get_package_prefix("rviz2")
+    except LookupError:
+        assert "rviz2" in missing  # this machine has no rviz2: the reason says so

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 

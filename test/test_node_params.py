@@ -3,6 +3,10 @@ message naming the parameter; parse_settings covers the remaining rules directly
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +39,15 @@ def defaults(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     return values
 
 
-def run_node(tmp_path: Path, parameters: dict[str, Any], ros_args: tuple[str, ...] = ()) -> tuple[int, str]:
+def run_node(
+    tmp_path: Path, parameters: dict[str, Any], ros_args: tuple[str, ...] = (), timeout_s: float = 60
+) -> tuple[int, str]:
     params_file = write_params_file(tmp_path / "params.yaml", parameters)
     log = tmp_path / "node.log"
     process = start_console_script(
         "alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params_file, ros_args=ros_args
     )
-    code = process.wait(timeout=60)
+    code = process.wait(timeout=timeout_s)
     process.log_file.close()
     return code, log.read_text()
 
@@ -127,15 +133,17 @@ def test_invalid_values_name_the_parameter(tmp_path: Path, overrides: dict[str, 
         parse_settings(values)
 
 
-def test_unloadable_checkpoint_keeps_the_node_up_and_reports_it(tmp_path: Path) -> None:
-    """An existing but broken checkpoint is not a parameter error: diagnostics say ERROR."""
+def test_unloadable_checkpoint_stays_up_only_when_asked_and_reports_it(tmp_path: Path) -> None:
+    """An existing but broken checkpoint is not a parameter error: with model.stay_up_on_failure
+    the node stays up with an ERROR diagnostic (a SIGINT still ends it with 0)."""
     broken = tmp_path / "broken_checkpoint"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     domain_id = unique_domain_id()
     side = RosSide(domain_id, "load_failure_test")
     diagnostics = side.collect(DiagnosticArray, "/diagnostics", side.reliable())
-    params_file = write_params_file(tmp_path / "params.yaml", {**CAMERAS, "model.checkpoint_path": str(broken)})
+    params = {**CAMERAS, "model.checkpoint_path": str(broken), "model.stay_up_on_failure": True}
+    params_file = write_params_file(tmp_path / "params.yaml", params)
     process = start_console_script(
         "alpamayo_drive", env=ros_env(domain_id), log_path=tmp_path / "node.log", params_file=params_file
     )
@@ -144,7 +152,7 @@ def test_unloadable_checkpoint_keeps_the_node_up_and_reports_it(tmp_path: Path) 
         def failed() -> bool:
             return any(m.status[0].level == DiagnosticStatus.ERROR for m in diagnostics.messages)
 
-        assert wait_until(failed, timeout_s=60), (tmp_path / "node.log").read_text()
+        assert wait_until(failed, timeout_s=90), (tmp_path / "node.log").read_text()
         status = [m.status[0] for m in diagnostics.messages if m.status[0].level == DiagnosticStatus.ERROR][-1]
         assert status.message.startswith("model load failed") and "model.checkpoint_path" in status.message
         assert {kv.key: kv.value for kv in status.values}["state"] == "failed"
@@ -153,3 +161,58 @@ def test_unloadable_checkpoint_keeps_the_node_up_and_reports_it(tmp_path: Path) 
         code = stop_process(process)
         side.close()
     assert code == 0, (tmp_path / "node.log").read_text()
+
+
+def _nested_type_checkpoint(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "nested_type"
+    shutil.copytree(tiny_checkpoint, target)
+    config = json.loads((target / "config.json").read_text())
+    config["hist_traj_tokenizer_cfg"]["num_bins"] = [1000]
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("fault", ["broken config.json", "nested config type", "device without CUDA"])
+def test_failed_model_load_exits_1_naming_the_cause(tmp_path: Path, tiny_checkpoint: Path, fault: str) -> None:
+    """So that launch's respawn can act: the node never idles after a failed load."""
+    params: dict[str, Any] = {**CAMERAS, "model.checkpoint_path": str(tiny_checkpoint)}
+    if fault == "broken config.json":
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "config.json").write_text("{not json")
+        params["model.checkpoint_path"], needle = str(broken), "model load failed"
+    elif fault == "nested config type":
+        params["model.checkpoint_path"] = str(_nested_type_checkpoint(tiny_checkpoint, tmp_path))
+        needle = "hist_traj_tokenizer_cfg.num_bins: expected an integer, got list [1000]"
+    else:
+        params["model.device"], needle = "cuda:7", "model load failed"
+    code, log = run_node(tmp_path, params, timeout_s=180)
+    assert code == 1, log
+    assert needle in log and "exiting with code 1" in log, log
+    assert "Traceback" not in log
+
+
+def test_help_lists_every_parameter_with_default(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("alpamayo_drive")
+    for args in (["--help"], ["--ros-args", "--help"]):
+        run = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=60, env=ros_env(0))
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+        for spec in SPECS.values():
+            assert f"  {spec.name} = {spec.default!r}: {spec.description}" in run.stdout
+
+
+def test_misspelled_parameter_is_named_with_the_closest_known_one(tmp_path: Path) -> None:
+    # cameras.indices 9 makes the node stop right after reading its parameters
+    params = {**CAMERAS, "model.checkpoint_path": str(tmp_path), "planning.rat_hz": 5.0, "cameras.indices": [0, 9, 6]}
+    code, log = run_node(tmp_path, params)
+    assert code == 2
+    assert "unknown parameter 'planning.rat_hz' is ignored; did you mean 'planning.rate_hz'?" in log, log
+
+
+def test_integer_for_a_double_parameter_is_accepted(tmp_path: Path) -> None:
+    # an integer override for planning.rate_hz: the node gets past its parameters (and stops at the
+    # bad camera index, which names its parameter, not planning.rate_hz)
+    params = {**CAMERAS, "model.checkpoint_path": str(tmp_path), "cameras.indices": [0, 9, 6]}
+    code, log = run_node(tmp_path, params, ros_args=("-p", "planning.rate_hz:=10", "-p", "sampling.temperature:=1"))
+    assert code == 2 and "planning.rate_hz" not in log and "sampling.temperature" not in log, log
+    assert "parameter 'cameras.indices'" in log

@@ -28,7 +28,7 @@ from alpamayo_ros.ros.testing import (
     wait_until,
     write_params_file,
 )
-from test_process_hygiene import fastdds_segments, leaked_since
+from test_process_hygiene import FASTDDS_SHM_PREFIXES, fastdds_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_DEADLINE_S = 3.0  # the acceptance bound, measured from SIGINT to the process's end
@@ -59,8 +59,17 @@ def _params(tmp: Path, checkpoint: Path, **extra) -> Path:
     return write_params_file(tmp / "drive.yaml", params)
 
 
-def _interrupt(process: subprocess.Popen) -> tuple[int, float]:
-    """SIGINT; (exit code, seconds from the signal to the process's end). SIGKILL only on a hang."""
+def _mapped_segments(pid: int) -> set[str]:
+    """The Fast DDS shared-memory segments a process maps (its own, on a machine shared with other runs)."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    names = {line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line}
+    return {name for name in names if name.startswith(FASTDDS_SHM_PREFIXES)}
+
+
+def _interrupt(process: subprocess.Popen) -> tuple[int, float, set[str]]:
+    """SIGINT; (exit code, seconds from the signal to the process's end, the segments it mapped).
+    SIGKILL only on a hang."""
+    segments = _mapped_segments(process.pid)
     sent = time.monotonic()
     process.send_signal(signal.SIGINT)
     try:
@@ -70,15 +79,16 @@ def _interrupt(process: subprocess.Popen) -> tuple[int, float]:
         process.wait(timeout=10)
     elapsed = time.monotonic() - sent
     process.log_file.close()
-    return process.returncode, elapsed
+    return process.returncode, elapsed, segments
 
 
-def _assert_clean(code: int, elapsed_s: float, log: Path, before: set[str]) -> None:
+def _assert_clean(code: int, elapsed_s: float, log: Path, segments: set[str]) -> None:
     text = log.read_text(errors="replace")
     assert code == 0, f"exit code {code}\n{text[-3000:]}"
     assert elapsed_s < EXIT_DEADLINE_S, f"took {elapsed_s:.1f} s to exit\n{text[-3000:]}"
     assert "Traceback" not in text and "terminate called" not in text, text[-3000:]
-    assert wait_until(lambda: not leaked_since(before), timeout_s=5), leaked_since(before)
+    assert segments, "the node mapped no Fast DDS segment: nothing was checked"
+    assert wait_until(lambda: not segments & fastdds_segments(), timeout_s=5), segments & fastdds_segments()
 
 
 @pytest.mark.parametrize(
@@ -88,18 +98,16 @@ def _assert_clean(code: int, elapsed_s: float, log: Path, before: set[str]) -> N
     ids=["loading", "warming_up", "ready"],
 )
 def test_sigint_in_each_state_exits_0_within_3_s(tmp_path: Path, tiny_checkpoint: Path, marker: str, tokens: int) -> None:
-    before = fastdds_segments()
     params = _params(tmp_path, tiny_checkpoint, **{"sampling.max_reasoning_tokens": tokens, "sampling.temperature": 1.0})
     log = tmp_path / "node.log"
     process = start_console_script("alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params)
     reached = wait_until(lambda: marker in log.read_text(errors="replace") or process.poll() is not None, START_TIMEOUT_S)
     assert reached and process.poll() is None, log.read_text(errors="replace")[-3000:]
-    code, elapsed = _interrupt(process)
-    _assert_clean(code, elapsed, log, before)
+    code, elapsed, segments = _interrupt(process)
+    _assert_clean(code, elapsed, log, segments)
 
 
 def test_sigint_during_a_long_plan_exits_0_within_3_s(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    before = fastdds_segments()
     domain_id = unique_domain_id()
     side = RosSide(domain_id, "shutdown_test")
     cameras = [CameraFeed(1, "/shutdown/front", "raw")]
@@ -125,22 +133,22 @@ def test_sigint_during_a_long_plan_exits_0_within_3_s(tmp_path: Path, tiny_check
         count_before = len(paths)
         time.sleep(2.0)
         assert len(paths) <= count_before + 1, (published, count_before, len(paths))
-        code, elapsed = _interrupt(process)
+        code, elapsed, segments = _interrupt(process)
     finally:
         rig.stop()
         side.close()
-    _assert_clean(code, elapsed, log, before)
+    _assert_clean(code, elapsed, log, segments)
 
 
 def test_launch_shutdown_sequence_ends_the_node_before_sigterm(tmp_path: Path, tiny_checkpoint: Path) -> None:
     """launch sends SIGINT, waits sigterm_timeout, then SIGTERM: the node must be gone by then."""
     sigterm_timeout_s = _launch_sigterm_timeout_s()
     assert sigterm_timeout_s > EXIT_DEADLINE_S  # the launch file leaves the node its shutdown time
-    before = fastdds_segments()
     params = _params(tmp_path, tiny_checkpoint, **{"sampling.max_reasoning_tokens": 4096, "sampling.temperature": 1.0})
     log = tmp_path / "node.log"
     process = start_console_script("alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params)
     assert wait_until(lambda: "warming_up:" in log.read_text(errors="replace"), START_TIMEOUT_S), log.read_text()
+    segments = _mapped_segments(process.pid)
     started = time.monotonic()
     process.send_signal(signal.SIGINT)
     try:
@@ -148,4 +156,4 @@ def test_launch_shutdown_sequence_ends_the_node_before_sigterm(tmp_path: Path, t
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running {sigterm_timeout_s} s after SIGINT: launch would SIGTERM it\n{log.read_text()}")
     process.log_file.close()
-    _assert_clean(process.returncode, time.monotonic() - started, log, before)
+    _assert_clean(process.returncode, time.monotonic() - started, log, segments)

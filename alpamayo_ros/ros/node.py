@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
