@@ -2,7 +2,8 @@
 
 The harness runs for real: the drive node and the publisher as their own processes, this
 test's ROS domain, a tiny checkpoint and small frames. The report must hold finite numbers
-that add up (e2e = inbound + pipeline total + node overhead + transport), every plan must be
+that respect causality (no stage, transport or wait is negative; the pipeline's stages fit in
+its total; end to end exceeds what the node itself measured), every plan must be
 matched to the camera messages it came from, and both child processes must exit 0 on SIGINT.
 """
 
@@ -56,10 +57,12 @@ def test_bench_node_reports_finite_latencies(tmp_path: Path, tiny_checkpoint: Pa
         assert plan["inbound_ms"] > 0 and plan["transport_queueing_ms"] > 0 and plan["publish_lag_ms"] >= 0, plan
         # inbound = published -> frame converted in the node + that frame's wait for inference
         assert plan["receive_ms"] >= -0.01 and plan["input_wait_ms"] >= plan["stages_ms"]["node.assemble"] > 0, plan
-        assert plan["receive_ms"] + plan["input_wait_ms"] == pytest.approx(plan["inbound_ms"], abs=1e-6)
-        parts = plan["inbound_ms"] + plan["total_ms"] + plan["node_overhead_ms"] + plan["transport_queueing_ms"]
-        assert parts == pytest.approx(plan["e2e_ms"], abs=1e-6)
-        assert plan["e2e_ms"] > plan["total_ms"]
+        # the pipeline's stages run one after another inside its total
+        stages = plan["stages_ms"]
+        parts = sum(stages[name] for name in ("preprocess", "prompt", "backbone", "expert", "action"))
+        assert 0 < parts <= plan["total_ms"] + 0.01, stages
+        # end to end (this process's clock) covers the node's own latency minus the publisher's lag
+        assert plan["e2e_ms"] > plan["latency_ms"] - plan["publish_lag_ms"] > plan["total_ms"], plan
         assert plan["generated_tokens"] is not None and 1 <= plan["generated_tokens"] <= 8
     for key in MEASURES:
         p = report["measures_ms"][key]

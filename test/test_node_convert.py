@@ -1,5 +1,5 @@
 """Message conversion of the drive node: image decoding and its rejections, plan -> messages,
-sample selection, frames, and the output sanity gate."""
+sample selection and frames (the output gate: test_node_gate.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
 from visualization_msgs.msg import Marker
 
-from alpamayo_ros.core.types import Plan
 from alpamayo_ros.inputs import messages
 from alpamayo_ros.inputs.ego_history import quaternion_to_matrix
 from alpamayo_ros.ros import convert
-from alpamayo_ros.ros.node import gate_plan
 
 RNG = np.random.default_rng(7)
 RGB = RNG.integers(0, 256, (6, 10, 3), dtype=np.uint8)
@@ -192,24 +190,3 @@ def test_marker_array_has_all_samples_and_the_reasoning() -> None:
     (text,) = [m for m in markers if m.type == Marker.TEXT_VIEW_FACING]
     assert text.frame_locked and text.pose.position.x == 5.0 and text.pose.position.z == 3.0
     assert text.text.replace("\n", " ") == coc.strip()
-
-
-def plan_of(xyz: np.ndarray) -> Plan:
-    samples = xyz.shape[0]
-    return Plan(xyz=xyz, rot=np.tile(np.eye(3), (samples, 64, 1, 1)), coc=[""] * samples,
-                generated_ids=[[]] * samples, t0_ns=0, backend="hf")  # fmt: skip
-
-
-def test_gate_passes_a_plan_that_starts_at_the_ego() -> None:
-    history = straight(5.0, n=16) - straight(5.0, n=16)[-1]  # 5 m/s, ending at the origin
-    assert gate_plan(plan_of(straight(5.0)[None]), history, 0.1, 2.0) is None
-
-
-def test_gate_drops_non_finite_and_far_plans() -> None:
-    history = straight(5.0, n=16) - straight(5.0, n=16)[-1]
-    bad = straight(5.0)[None].copy()
-    bad[0, 10, 1] = np.nan
-    assert gate_plan(plan_of(bad), history, 0.1, 2.0)[0] == "plan_nonfinite"
-    far = np.stack([straight(5.0), straight(5.0) + [4.0, 0.0, 0.0]])
-    reason, detail = gate_plan(plan_of(far), history, 0.1, 2.0)
-    assert reason == "plan_far_from_ego" and detail.startswith("sample 1: first waypoint 4.50 m")

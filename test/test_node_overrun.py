@@ -118,8 +118,14 @@ def test_slow_inference_publishes_latest_only_and_counts_overruns(sim: SimHarnes
     # overruns: every tick that found the worker busy, reported in diagnostics and StageTimings
     overruns = int(after["overruns"]) - int(before["overruns"])
     plans = int(after["plans"]) - int(before["plans"])
-    assert overruns > 0 and plans >= 2
-    assert overruns + plans <= ticks
+    started = int(after["ticks.started"]) - int(before["ticks.started"])
+    assert overruns > 0 and plans >= 2 and started >= 2
+    # every tick has exactly one outcome, counted under one lock: exact in every report, and so
+    # between any two (a plan started before the first reading is not in `started`)
+    outcomes = ("not_ready", "overrun", "rejected", "repeated_t0", "started")
+    for values in (before, after):
+        assert sum(int(values[f"ticks.{o}"]) for o in outcomes) == int(values["ticks"]), values
+    assert overruns + started <= ticks
     reported = [m.overruns for t, m in sim.timings.timed() if t >= started]
     assert reported == sorted(reported) and reported[-1] > reported[0]
 
