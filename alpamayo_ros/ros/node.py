@@ -330,13 +330,14 @@ class DriveNode(Node):
                 level, message = DiagnosticStatus.WARN, f"{state.value.replace('_', ' ')}: not ready"
             elif outcomes.outcome == "error":
                 level, message = DiagnosticStatus.ERROR, outcomes.last_error
-            elif outcomes.outcome == "rejected":
-                level, message = DiagnosticStatus.WARN, f"no plan: {outcomes.last_rejection}"
-            elif stalled:
+            elif stalled:  # before the last rejection: a plan in flight for ages is no better
+                last = f"; last rejection {outcomes.last_rejection}" if outcomes.outcome == "rejected" else ""
                 level, message = DiagnosticStatus.WARN, (
                     f"planning_stalled: no plan published for {silence_ns / 1e9:.1f} s "
-                    f"(max {self.settings.max_plan_silence_ns / 1e9:.1f} s, diagnostics.max_plan_silence_s)"
+                    f"(max {self.settings.max_plan_silence_ns / 1e9:.1f} s, diagnostics.max_plan_silence_s){last}"
                 )
+            elif outcomes.outcome == "rejected":
+                level, message = DiagnosticStatus.WARN, f"no plan: {outcomes.last_rejection}"
             elif scheduler.route_problem is not None:
                 level, message = DiagnosticStatus.WARN, f"planning without route: {scheduler.route_problem}"
             elif outcomes.outcome == "planned":
