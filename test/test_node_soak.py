@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from nav_msgs.msg import Path as PathMsg
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
@@ -41,6 +42,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+@pytest.mark.timeout(1800)  # 10 minutes of soak plus start and stop on a busy machine
 def test_ten_minutes_at_10_hz_keeps_memory_flat_and_stamps_increasing(tmp_path: Path, tiny_checkpoint: Path) -> None:
     domain_id = unique_domain_id()
     side = RosSide(domain_id, "soak_test")
