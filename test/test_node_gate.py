@@ -85,3 +85,49 @@ def test_a_hard_turn_at_speed_is_implausible(tiny_checkpoint: Path, make_driving
     reason, detail = gate_plan(plan, MAX_LATERAL)
     assert reason == "plan_implausible" and "lateral acceleration" in detail
     assert gate_plan(plan, 100.0) is None  # the limit is the parameter
+
+
+def test_the_node_drops_the_bad_plans_of_a_broken_model(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A node process on the scaled checkpoint: every plan is refused by name, no Path goes out."""
+    from diagnostic_msgs.msg import DiagnosticArray
+    from nav_msgs.msg import Path as PathMsg
+
+    from alpamayo_ros.ros.testing import (
+        CameraFeed, RosSide, SensorRig, diag_values, ros_env, start_console_script, stop_process, unique_domain_id,
+        wait_until, write_params_file,
+    )  # fmt: skip
+
+    def scale(tensors: dict[str, torch.Tensor], _: dict) -> None:
+        tensors["action_out_proj.weight"] *= 1000.0
+        tensors["action_out_proj.bias"] += 50.0
+
+    checkpoint = edited_checkpoint(tiny_checkpoint, tmp_path / "scaled", scale)
+    domain_id = unique_domain_id()
+    side = RosSide(domain_id, "gate_test")
+    cameras = [CameraFeed(1, "/gate/front", "raw")]
+    params = write_params_file(tmp_path / "drive.yaml", {
+        "model.checkpoint_path": str(checkpoint), "cameras.topics": ["/gate/front"], "cameras.indices": [1],
+        "cameras.transports": ["raw"], "odometry.topic": "/gate/odom", "sampling.max_reasoning_tokens": 4,
+        "sampling.flow_steps": 2, "cameras.max_age_s": 1.0, "odometry.max_stale_s": 0.3, "diagnostics.rate_hz": 5.0,
+    })  # fmt: skip
+    paths = side.collect(PathMsg, "/alpamayo_drive/output/path", side.reliable())
+    diagnostics = side.collect(DiagnosticArray, "/diagnostics", side.reliable(depth=100))
+    rig = SensorRig(side, cameras, odometry_topic="/gate/odom").start()
+    log = tmp_path / "node.log"
+    process = start_console_script("alpamayo_drive", env=ros_env(domain_id, OMP_NUM_THREADS="1"), log_path=log,
+                                   params_file=params)  # fmt: skip
+
+    def refused() -> int:
+        return max((int(diag_values(m).get("rejected.plan_out_of_bounds", 0)) for m in diagnostics.messages), default=0)
+
+    try:
+        assert wait_until(lambda: refused() >= 3, timeout_s=300), log.read_text()[-3000:]
+    finally:
+        rig.stop()
+        code = stop_process(process, timeout_s=40)
+        side.close()
+    assert code == 0, log.read_text()[-3000:]
+    assert len(paths) == 0
+    reports = [diag_values(m) for m in diagnostics.messages]
+    assert any(r["last_rejection"].startswith("plan_out_of_bounds: sample 0") for r in reports)
+    assert all(int(r["plans"]) == 0 for r in reports)
