@@ -78,6 +78,7 @@ def test_ten_minutes_at_10_hz_keeps_memory_flat_and_stamps_increasing(tmp_path: 
 
     minutes, rss = np.array(samples).T
     slope = float(np.polyfit(minutes, rss, 1)[0])
+    print(f"soak: {len(paths)} Paths; RSS {rss[0]:.0f} -> {rss[-1]:.0f} MB, slope {slope:+.3f} MB/min")  # noqa: T201
     assert slope < MAX_SLOPE_MB_PER_MIN, f"RSS grows {slope:.2f} MB/min ({rss[0]:.0f} -> {rss[-1]:.0f} MB)"
 
     published = {stamp for camera in cameras for stamp in camera.stamps_ns}

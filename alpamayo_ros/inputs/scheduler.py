@@ -132,8 +132,8 @@ class PlanScheduler:
         """Buffer a decoded frame; with trigger frames, a fresh complete set starts a plan."""
         ahead_ns = stamp_ns - now_ns
         if ahead_ns > self.settings.max_future_ns:
-            self.camera_fault(camera, RejectReason.CAMERA_FUTURE.value, f"stamp {_s(ahead_ns)} ahead of the node clock"
-                              f" (max {_s(self.settings.max_future_ns)})")  # fmt: skip
+            detail = f"stamp {_s(ahead_ns)} ahead of the node clock (max {_s(self.settings.max_future_ns)})"
+            self.camera_fault(camera, RejectReason.CAMERA_FUTURE.value, detail)
             return None
         self._camera_problems.pop(camera, None)
         self.frame_sync.add(camera, stamp_ns, frame)
@@ -152,12 +152,17 @@ class PlanScheduler:
             self.counters.rejected[outcome.reason] += 1
         return outcome
 
-    def add_odometry(self, stamp_ns: int, xyz: np.ndarray, quat: np.ndarray, frame_id: str, now_ns: int) -> Problem | None:
+    def add_odometry(
+        self, stamp_ns: int, xyz: np.ndarray, quat: np.ndarray, frame_id: str, now_ns: int
+    ) -> Problem | None:
         """Buffer an odometry pose; a sample ahead of the clock or in a new frame is reported."""
         ahead_ns = stamp_ns - now_ns
         if ahead_ns > self.settings.max_future_ns:
-            problem = Problem(RejectReason.ODOMETRY_FUTURE.value, f"odometry ({self.settings.odometry_topic}) stamp "
-                              f"{_s(ahead_ns)} ahead of the node clock (max {_s(self.settings.max_future_ns)})")  # fmt: skip
+            detail = (
+                f"odometry ({self.settings.odometry_topic}) stamp {_s(ahead_ns)} ahead of the node clock "
+                f"(max {_s(self.settings.max_future_ns)})"
+            )
+            problem = Problem(RejectReason.ODOMETRY_FUTURE.value, detail)
             new = self._odometry_problem is None
             self._odometry_problem = problem
             self.counters.dropped[problem.reason] += 1

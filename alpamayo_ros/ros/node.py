@@ -18,17 +18,15 @@ the process exits without running its interpreter teardown under it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
 import numpy as np
 import rclpy
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Odometry
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.exceptions import ParameterException
@@ -38,10 +36,10 @@ from rclpy.parameter import Parameter
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header, String
 
-from alpamayo_ros.core.types import DrivingInput
 from alpamayo_ros.inputs import messages
 from alpamayo_ros.inputs.scheduler import PlanScheduler, Problem, TickOutcome
 from alpamayo_ros.ros import convert, qos
+from alpamayo_ros.ros.diagnostics import Outcomes, planner_status
 from alpamayo_ros.ros.gate import gate_plan
 from alpamayo_ros.ros.outputs import PlanJob, PlanPublisher
 from alpamayo_ros.ros.params import (
@@ -51,33 +49,15 @@ from alpamayo_ros.ros.params import (
     help_text,
     unknown_parameter_warnings,
 )
-from alpamayo_ros.ros.planner import Planner, make_planner
+from alpamayo_ros.ros.planner import Planner, make_planner, warmup_input
 from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
 from alpamayo_ros.settings import SPECS, CameraInput, ParameterError, check_value, parse_settings, sampling_settings
 
 NODE_NAME = "alpamayo_drive"
 LOG_THROTTLE_S = 5.0
-WARMUP_SIZE = (576, 320)  # (width, height) of warm-up frames when images.* keep native size
 NS_PER_MS = 1_000_000
 STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step; a model load or a prefill can take longer
 EXIT_LOAD_FAILED = 1
-
-
-@dataclass
-class Outcomes:
-    """What the node's plans did (guarded by DriveNode._lock)."""
-
-    plans: int = 0  # published
-    errors: int = 0
-    outcome: str = "none"  # none | planned | rejected | error
-    last_rejection: str = ""
-    last_error: str = ""
-    gated: dict[str, int] = field(default_factory=dict)
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    input_age_ms: float = math.nan
-    latency_ms: float = math.nan
-    skew_ms: float = math.nan
-    last_plan_ns: int | None = None  # node clock at the last published plan (or at ready)
 
 
 class DriveNode(Node):
@@ -85,7 +65,8 @@ class DriveNode(Node):
 
     def __init__(self, *, ros_args: list[str] | None = None, **node_kwargs: Any) -> None:
         super().__init__(NODE_NAME, **node_kwargs)
-        for warning in unknown_parameter_warnings(given_parameter_names(ros_args or [], self.get_fully_qualified_name())):
+        given = given_parameter_names(ros_args or [], self.get_fully_qualified_name())
+        for warning in unknown_parameter_warnings(given):
             self.get_logger().warning(warning)
         self._values = declare_parameters(self)
         self.settings = settings = parse_settings(self._values)  # ParameterError names the parameter at fault
@@ -123,7 +104,7 @@ class DriveNode(Node):
         self.add_post_set_parameters_callback(self._after_set_parameters)
 
         self._worker = InferenceWorker(
-            partial(make_planner, settings), (self._warmup_input(), self._sampling),
+            partial(make_planner, settings), (warmup_input(settings), self._sampling),
             run_job=self._run_job, on_job_error=self._on_job_error, on_idle=self._on_idle,
             on_state=self._on_worker_state,
         )  # fmt: skip
@@ -170,7 +151,9 @@ class DriveNode(Node):
         with self._lock:
             refused = self._scheduler.set_route(msg.data, self._now_ns())
         if refused is not None:
-            self.get_logger().warning(f"route refused, planning without it: {refused}", throttle_duration_sec=LOG_THROTTLE_S)
+            self.get_logger().warning(
+                f"route refused, planning without it: {refused}", throttle_duration_sec=LOG_THROTTLE_S
+            )
             self._publish_diagnostics()
 
     def _on_planning_tick(self) -> None:
@@ -292,97 +275,24 @@ class DriveNode(Node):
         with self._lock:
             self._scheduler.worker_idle(self._now_ns())
 
-    def _warmup_input(self) -> DrivingInput:
-        """A plausible synthetic input (straight drive at 5 m/s) in the configured layout."""
-        sync, history = self.settings.frame_sync, self.settings.ego_history
-        width, height = self.settings.image_size or WARMUP_SIZE
-        cameras = len(sync.camera_indices)
-        poses = history.num_poses
-        xyz = np.zeros((poses, 3), dtype=np.float32)
-        xyz[:, 0] = -5.0 * history.dt_ns / 1e9 * np.arange(poses - 1, -1, -1)
-        stamps = np.arange(sync.frames_per_camera, dtype=np.int64) * sync.frame_spacing_ns
-        return DrivingInput(
-            images=np.full((cameras, sync.frames_per_camera, height, width, 3), 128, dtype=np.uint8),
-            camera_indices=sync.camera_indices,
-            frame_stamps_ns=np.tile(stamps, (cameras, 1)),
-            t0_ns=int(stamps[-1]),
-            ego_history_xyz=xyz,
-            ego_history_rot=np.tile(np.eye(3, dtype=np.float32), (poses, 1, 1)),
-        )
-
     # ---- diagnostics ----
 
     def _publish_diagnostics(self) -> None:
         now_ns = self._now_ns()
         status = self._diagnostic_status(now_ns)
-        self._diagnostics_pub.publish(DiagnosticArray(header=Header(stamp=convert.ns_to_stamp(now_ns)), status=[status]))
+        header = Header(stamp=convert.ns_to_stamp(now_ns))
+        self._diagnostics_pub.publish(DiagnosticArray(header=header, status=[status]))
 
     def _diagnostic_status(self, now_ns: int) -> DiagnosticStatus:
         """One status for the whole node."""
-        state, worker_error = self._worker.state, self._worker.error
+        worker = self._worker
+        state, error = worker.state, worker.error
         with self._lock:
-            outcomes, counters, scheduler = self._outcomes, self._scheduler.counters, self._scheduler
-            silence_ns = None if outcomes.last_plan_ns is None else now_ns - outcomes.last_plan_ns
-            stalled = state is WorkerState.READY and silence_ns is not None and silence_ns > self.settings.max_plan_silence_ns
-            if state is WorkerState.FAILED:
-                level, message = DiagnosticStatus.ERROR, worker_error
-            elif state is not WorkerState.READY:
-                level, message = DiagnosticStatus.WARN, f"{state.value.replace('_', ' ')}: not ready"
-            elif outcomes.outcome == "error":
-                level, message = DiagnosticStatus.ERROR, outcomes.last_error
-            elif stalled:  # before the last rejection: a plan in flight for ages is no better
-                last = f"; last rejection {outcomes.last_rejection}" if outcomes.outcome == "rejected" else ""
-                level, message = DiagnosticStatus.WARN, (
-                    f"planning_stalled: no plan published for {silence_ns / 1e9:.1f} s "
-                    f"(max {self.settings.max_plan_silence_ns / 1e9:.1f} s, diagnostics.max_plan_silence_s){last}"
-                )
-            elif outcomes.outcome == "rejected":
-                level, message = DiagnosticStatus.WARN, f"no plan: {outcomes.last_rejection}"
-            elif scheduler.route_problem is not None:
-                level, message = DiagnosticStatus.WARN, f"planning without route: {scheduler.route_problem}"
-            elif outcomes.outcome == "planned":
-                level, message = DiagnosticStatus.OK, "planning"
-            else:
-                level, message = DiagnosticStatus.OK, "ready, waiting for inputs"
-            frames_dropped = sum(n for reason, n in counters.dropped.items() if not reason.startswith(("route", "odometry")))
-            values: dict[str, Any] = {
-                "state": state.value,
-                "ready": state is WorkerState.READY,
-                "backend": self.settings.backend,
-                "model_id": self.settings.model_id,
-                "load_ms": self._worker.load_ms,
-                "warmup_ms": self._worker.warmup_ms,
-                "ticks": counters.ticks,
-                **{f"ticks.{outcome.value}": counters.tick_outcomes[outcome] for outcome in TickOutcome},
-                "overruns": counters.tick_outcomes[TickOutcome.OVERRUN],
-                "repeated_t0": counters.tick_outcomes[TickOutcome.REPEATED],
-                "plans_started": counters.started,
-                "plans": outcomes.plans,
-                "frames": counters.frames,
-                "errors": outcomes.errors,
-                "drop_ratio": frames_dropped / max(counters.frames + frames_dropped, 1),
-                "input_age_ms": outcomes.input_age_ms,
-                "latency_ms": outcomes.latency_ms,
-                "camera_skew_ms": outcomes.skew_ms,
-                "since_plan_s": math.nan if silence_ns is None else silence_ns / 1e9,
-                "last_rejection": outcomes.last_rejection,
-                "last_error": outcomes.last_error or worker_error,
-                "route_rejection": "" if scheduler.route_problem is None else str(scheduler.route_problem),
-            }
-            for camera, newest in scheduler.frame_sync.newest_stamps().items():
-                values[f"camera_age_ms.{camera}"] = math.nan if newest is None else (now_ns - newest) / NS_PER_MS
-            odometry_newest = scheduler.odometry.newest_ns
-            values["odometry_age_ms"] = math.nan if odometry_newest is None else (now_ns - odometry_newest) / NS_PER_MS
-            values.update({f"rejected.{reason}": count for reason, count in sorted(counters.rejected.items())})
-            values.update({f"dropped.{reason}": count for reason, count in sorted(counters.dropped.items())})
-            values.update({f"stage_ms.{stage}": ms for stage, ms in outcomes.timings_ms.items()})
-        return DiagnosticStatus(
-            level=level,
-            name=f"{self.get_fully_qualified_name()}: planner",
-            message=message,
-            hardware_id=self.settings.model_id,
-            values=[KeyValue(key=key, value=_format(value)) for key, value in values.items()],
-        )
+            return planner_status(
+                f"{self.get_fully_qualified_name()}: planner", self.settings, now_ns, state=state,
+                worker_error=error, load_ms=worker.load_ms, warmup_ms=worker.warmup_ms,
+                outcomes=self._outcomes, scheduler=self._scheduler,
+            )  # fmt: skip
 
     # ---- lifecycle ----
 
@@ -398,14 +308,6 @@ class DriveNode(Node):
             self.get_logger().warning(
                 f"inference worker still busy {STOP_WAIT_S:.0f} s after stop ({state.value}); exiting without it"
             )
-
-
-def _format(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.1f}"
-    return str(value)
 
 
 def _ros_args(args: list[str]) -> list[str]:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
 from alpamayo_ros.settings import DriveSettings
+
+WARMUP_SIZE = (576, 320)  # (width, height) of warm-up frames when images.* keep native size
 
 
 class Planner(Protocol):
@@ -55,3 +59,22 @@ class PipelinePlanner:
 def make_planner(settings: DriveSettings) -> Planner:
     """The planner model.backend asks for (slow: loads the model)."""
     return PipelinePlanner(settings)
+
+
+def warmup_input(settings: DriveSettings) -> DrivingInput:
+    """A plausible synthetic input (straight drive at 5 m/s) in the configured layout."""
+    sync, history = settings.frame_sync, settings.ego_history
+    width, height = settings.image_size or WARMUP_SIZE
+    cameras = len(sync.camera_indices)
+    poses = history.num_poses
+    xyz = np.zeros((poses, 3), dtype=np.float32)
+    xyz[:, 0] = -5.0 * history.dt_ns / 1e9 * np.arange(poses - 1, -1, -1)
+    stamps = np.arange(sync.frames_per_camera, dtype=np.int64) * sync.frame_spacing_ns
+    return DrivingInput(
+        images=np.full((cameras, sync.frames_per_camera, height, width, 3), 128, dtype=np.uint8),
+        camera_indices=sync.camera_indices,
+        frame_stamps_ns=np.tile(stamps, (cameras, 1)),
+        t0_ns=int(stamps[-1]),
+        ego_history_xyz=xyz,
+        ego_history_rot=np.tile(np.eye(3, dtype=np.float32), (poses, 1, 1)),
+    )
