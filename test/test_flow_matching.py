@@ -278,7 +278,11 @@ def test_shared_prefix_sampler_matches_the_reference_on_full_rows(bucket):
         expected = reference(expert, full, noise, steps=4)
         assert (got - expected).abs().max() < 1e-5, i
         assert (expected - noise).abs().max() > 0.1
-    assert all(key[-1] == (30 if bucket == 1 else 32) for key in list(sampler._runners)[:1])
+    shapes = list(sampler._runners)  # (capacity, rows, ..., shared); one row runs plain
+    own = 9 + 64 if bucket == 1 else 96
+    assert shapes[0] == (own, 4, 4, None, False, 30)  # the prefix at its exact length, own columns bucketed
+    assert shapes[-1] == (45 + 3 + 64 if bucket == 1 else 128, 1, 4, None, bucket > 1, 0)
+    assert len(shapes) == (3 if bucket == 1 else 2)  # bucketed, plans 1 and 2 share a state
 
 
 def test_shared_prefix_state_loads_no_row_copies_and_rejects_bad_caches():

@@ -364,15 +364,14 @@ class ExpertAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         own_bias: torch.Tensor,
-        query_pad: torch.Tensor | None,
     ) -> torch.Tensor:
         """forward_prepared over a shared ExpertState layer: every row attends to the one
-        shared prefix (1, Hkv, Cs, Dk) and to its own columns (N, Hkv, C, D).
+        shared prefix (1, Hkv, S, D) and to its own columns (N, Hkv, C, D).
 
         The shared part runs as one attention call with all rows' queries stacked along
         the query axis, so the prefix is read once per layer, not once per row; the own part
-        is small (reasoning + action columns) and runs in fp32. The two softmaxes are joined
-        exactly through their log-sum-exps.
+        (reasoning + action columns, masked by own_bias) is small. The two softmaxes are
+        joined exactly through their log-sum-exps.
         """
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
         q, k, v = self._heads(*qkv, rope)
@@ -383,35 +382,40 @@ class ExpertAttention(nn.Module):
         q = q.reshape(n_rows, self.num_kv_heads, -1, head_dim)  # GQA folding, see _attend
         folded = q.shape[2]
         stacked = q.transpose(0, 1).reshape(1, self.num_kv_heads, n_rows * folded, head_dim)
-        if query_pad is not None:
-            stacked = torch.cat([stacked, query_pad.expand(*stacked.shape[:-1], -1)], dim=-1)
         shared_out, shared_lse = attention_with_lse(stacked, shared_keys, shared_values, scale)
-        shared_out = shared_out[..., :head_dim].reshape(self.num_kv_heads, n_rows, folded, head_dim).transpose(0, 1)
+        shared_out = shared_out.reshape(self.num_kv_heads, n_rows, folded, head_dim).transpose(0, 1)
         shared_lse = shared_lse.reshape(self.num_kv_heads, n_rows, folded).transpose(0, 1)
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale + own_bias
-        own_lse = torch.logsumexp(scores, dim=-1)
-        own_out = torch.matmul(torch.softmax(scores, dim=-1), values.float())
+        bias = own_bias.expand(n_rows, self.num_kv_heads, folded, -1)
+        own_out, own_lse = attention_with_lse(q, keys, values, scale, bias)
         lse = torch.logaddexp(shared_lse, own_lse)
-        out = shared_out.float() * torch.exp(shared_lse - lse)[..., None] + own_out * torch.exp(own_lse - lse)[..., None]
+        out = shared_out.float() * torch.exp(shared_lse - lse)[..., None]
+        out = out + own_out.float() * torch.exp(own_lse - lse)[..., None]
         out = out.to(h.dtype).reshape(n_rows, self.num_heads, length, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(n_rows, length, -1))
 
 
 def attention_with_lse(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention (B, H, L, D) and the log-sum-exp of its scaled scores (B, H, L) fp32.
+    """Attention (B, H, L, D) and the log-sum-exp of its scaled, biased scores (B, H, L) fp32.
 
-    Flash kernels where they exist (half types on CUDA, any float type on the CPU), which
-    return the log-sum-exp anyway; the spelled-out math elsewhere (fp32 on CUDA).
+    bias: additive, broadcast to (B, H, L, S), in q's dtype. On CUDA in half types, one fused
+    kernel (flash without a bias, memory-efficient with one) that returns the log-sum-exp
+    anyway; on the CPU flash without a bias; the spelled-out math in fp32 elsewhere.
     """
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, False, scale=scale)
-    if q.dtype in (torch.float16, torch.bfloat16):
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and bias is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, False, False, scale=scale)[:2]
         return out, lse
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    return torch.matmul(torch.softmax(scores, dim=-1), values), torch.logsumexp(scores, dim=-1)
+    if q.is_cuda and half:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, bias, True, scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]
+    if q.device.type == "cpu" and bias is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, False, scale=scale)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype), torch.logsumexp(scores, dim=-1)
 
 
 class ExpertMLP(nn.Module):
@@ -480,10 +484,9 @@ class ExpertLayer(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         own_bias: torch.Tensor,
-        query_pad: torch.Tensor | None,
     ) -> torch.Tensor:
         attn = self.self_attn.forward_shared(
-            self.input_layernorm(h), rope, shared_keys, shared_values, keys, values, own_bias, query_pad
+            self.input_layernorm(h), rope, shared_keys, shared_values, keys, values, own_bias
         )
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -550,7 +553,7 @@ class ExpertModel(nn.Module):
             step = layer_step or shared_layer_step
             shared = zip(state.shared_keys, state.shared_values, state.keys, state.values)
             for layer, (shared_keys, shared_values, keys, values) in zip(self.layers, shared):
-                h = step(layer, h, rope, shared_keys, shared_values, keys, values, state.own_bias, state.query_pad)
+                h = step(layer, h, rope, shared_keys, shared_values, keys, values, state.own_bias)
         return self.norm(h)
 
 
@@ -656,22 +659,21 @@ class ActionExpertModel(nn.Module):
         return self.action_out_proj(hidden)
 
     def new_state(
-        self, rows: int, capacity: int, *, masked: bool, shared_capacity: int | None = None
+        self, rows: int, capacity: int, *, masked: bool, shared: int | None = None
     ) -> ExpertState:
         """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W).
 
-        With shared_capacity, a shared state: that many columns of common prefix (masked:
-        whether it has padding) and `capacity` own columns per row (own tokens + padding + W).
+        With `shared`, a shared state: that many columns of common prefix, and `capacity` own
+        columns per row (own tokens + padding + W), masked exactly (`masked` is not used).
         """
         cfg = self.config
         sizes = dict(
             rows=rows, capacity=capacity, n_tokens=cfg.n_waypoints, num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, masked=masked,
-            like=self.expert.norm.weight,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, like=self.expert.norm.weight,
         )
-        if shared_capacity is None:
-            return ExpertState.zeros(**sizes)
-        return ExpertState.zeros_shared(shared_capacity=shared_capacity, **sizes)
+        if shared is None:
+            return ExpertState.zeros(masked=masked, **sizes)
+        return ExpertState.zeros_shared(shared=shared, **sizes)
 
     def load_state(self, state: ExpertState, caches: Sequence[PrefixCache]) -> None:
         """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
@@ -691,7 +693,7 @@ class ActionExpertModel(nn.Module):
             )
             return
         if any(cache.shared_keys is not None for cache in caches):
-            raise ValueError("caches: one has a shared part; load it into a shared state (new_state(shared_capacity=...))")
+            raise ValueError("caches: one has a shared part; load it into a shared state (new_state(shared=...))")
         rows = sum(cache.keys[0].shape[0] for cache in caches)
         if rows != state.rows:
             raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
@@ -713,9 +715,9 @@ class ActionExpertModel(nn.Module):
         """
         needed = cache.length + self.config.n_waypoints
         capacity = needed if capacity is None else capacity
-        if cache.shared_keys is not None:  # exact sizes: nothing to mask in the shared part
+        if cache.shared_keys is not None:
             own = capacity - cache.shared_length
-            state = self.new_state(cache.rows, own, masked=False, shared_capacity=cache.shared_length)
+            state = self.new_state(cache.rows, own, masked=False, shared=cache.shared_length)
         else:
             masked = capacity != needed or bool(_blocked_prefix(cache).any())
             state = self.new_state(cache.keys[0].shape[0], capacity, masked=masked)

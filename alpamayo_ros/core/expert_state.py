@@ -49,10 +49,10 @@ class ExpertState:
         appended to every query; Dk = D + MASK_CHANNELS and keys[..., D] is the mask bias.
 
     A shared state (samples of one prompt, see PrefixCache.shared_keys) keeps the common
-    prefix once: shared_keys/shared_values per layer (1, Hkv, Cs, Dk), Cs >= S, padding masked
-    through the mask channel as above (query_pad then applies to them only). keys/values
-    are then (N, Hkv, C, D), each row's own columns, padding and action columns, masked by
-    own_bias (N, 1, 1, C) fp32 (0 = attended, else the fp32 minimum).
+    prefix once: shared_keys/shared_values per layer (1, Hkv, S, D), exactly S columns, so
+    nothing there needs a mask (query_pad is None). keys/values are then (N, Hkv, C, D),
+    each row's own columns, padding and action columns, masked by own_bias (N, 1, 1, C) in
+    the model dtype (0 = attended, else the dtype's minimum).
     """
 
     keys: list[torch.Tensor]
@@ -107,38 +107,38 @@ class ExpertState:
         cls,
         *,
         rows: int,
-        shared_capacity: int,
+        shared: int,
         capacity: int,
         n_tokens: int,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        masked: bool,
         like: torch.Tensor,
     ) -> ExpertState:
-        """Zeroed buffers of a shared state (see the class doc); masked: the shared part's padding."""
-        if shared_capacity < 1:
-            raise ValueError(f"shared_capacity: must be >= 1, got {shared_capacity}")
-        own = cls.zeros(
+        """Zeroed buffers of a shared state (see the class doc) for a prefix of `shared` columns."""
+        if shared < 1:
+            raise ValueError(f"shared: must be >= 1, got {shared}")
+        state = cls.zeros(
             rows=rows, capacity=capacity, n_tokens=n_tokens, num_layers=num_layers,
             num_kv_heads=num_kv_heads, head_dim=head_dim, masked=False, like=like,
         )
         factory = {"device": like.device, "dtype": like.dtype}
-        shape = (1, num_kv_heads, shared_capacity, head_dim + (MASK_CHANNELS if masked else 0))
-        own.shared_keys = [torch.zeros(shape, **factory) for _ in range(num_layers)]
-        own.shared_values = [torch.zeros(shape, **factory) for _ in range(num_layers)]
-        if masked:
-            own.query_pad = torch.zeros(MASK_CHANNELS, **factory)
-            own.query_pad[0] = 1.0
-        own.own_bias = torch.zeros(rows, 1, 1, capacity, device=like.device, dtype=torch.float32)
-        return own
+        shape = (1, num_kv_heads, shared, head_dim)
+        state.shared_keys = [torch.zeros(shape, **factory) for _ in range(num_layers)]
+        state.shared_values = [torch.zeros(shape, **factory) for _ in range(num_layers)]
+        state.own_bias = torch.zeros(rows, 1, 1, capacity, **factory)
+        return state
 
     @property
     def rows(self) -> int:
         return self.keys[0].shape[0]
 
     @property
-    def shared_capacity(self) -> int:
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def shared_length(self) -> int:
         return 0 if self.shared_keys is None else self.shared_keys[0].shape[2]
 
     def load_shared(
@@ -156,15 +156,15 @@ class ExpertState:
         blocked: (N, T) bool as in load_rows, which must leave the common columns open.
         """
         if self.shared_keys is None:
-            raise ValueError("state: not a shared state; allocate it with new_state(..., shared_capacity=...)")
-        shared, head_dim = shared_keys[0].shape[2], shared_keys[0].shape[3]
+            raise ValueError("state: not a shared state; allocate it with new_state(..., shared=...)")
+        shared = shared_keys[0].shape[2]
         n_rows, _, length, _ = keys[0].shape
         n_tokens = self.cos.shape[2]
         spare = self.capacity - n_tokens
-        if shared > self.shared_capacity or length > spare:
+        if shared != self.shared_length or length > spare:
             raise ValueError(
-                f"cache: {shared} shared + {length} own tokens exceed the state's capacity"
-                f" {self.shared_capacity} + {spare}"
+                f"cache: {shared} shared + {length} own tokens do not fit the state's"
+                f" {self.shared_length} shared + {spare} own columns"
             )
         if n_rows != self.rows:
             raise ValueError(f"cache: {n_rows} rows for a state of {self.rows} rows")
@@ -172,27 +172,14 @@ class ExpertState:
             raise ValueError("cache: a shared column is blocked for some row (offset or valid inside the shared part)")
         own_blocked = F.pad(blocked[:, shared:], (0, self.capacity - length))
         own_blocked[:, length:spare] = True  # padding
-        self.own_bias.zero_().masked_fill_(own_blocked[:, None, None, :], torch.finfo(torch.float32).min)
-        bias = None
-        if self.query_pad is not None:
-            dtype = self.cos.dtype
-            bias = torch.zeros(1, 1, self.shared_capacity, dtype=dtype, device=blocked.device)
-            bias[..., shared:] = torch.finfo(dtype).min
-        elif shared != self.shared_capacity:
-            raise ValueError("state: its shared part is unmasked but this cache leaves padding in it")
+        self.own_bias.zero_().masked_fill_(own_blocked[:, None, None, :], torch.finfo(self.own_bias.dtype).min)
         layers = zip(self.shared_keys, self.shared_values, self.keys, self.values, shared_keys, shared_values, keys, values)
         for state_sk, state_sv, state_k, state_v, sk, sv, k, v in layers:
-            state_sk[:, :, :shared, :head_dim] = sk
-            state_sv[:, :, :shared, :head_dim] = sv
-            if bias is not None:
-                state_sk[:, :, :, head_dim] = bias
+            state_sk.copy_(sk)
+            state_sv.copy_(sv)
             state_k[:, :, :length] = k
             state_v[:, :, :length] = v
         self.cos[:], self.sin[:] = rope
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
 
     def load_rows(
         self,
@@ -265,10 +252,9 @@ def shared_layer_step(
     keys: torch.Tensor,
     values: torch.Tensor,
     own_bias: torch.Tensor,
-    query_pad: torch.Tensor | None,
 ) -> torch.Tensor:
     """One layer over one shared ExpertState layer (see prepared_layer_step)."""
-    return layer.forward_shared(h, rope, shared_keys, shared_values, keys, values, own_bias, query_pad)
+    return layer.forward_shared(h, rope, shared_keys, shared_values, keys, values, own_bias)
 
 
 #: prepared_layer_step or a compiled twin of it (same arguments).

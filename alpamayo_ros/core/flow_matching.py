@@ -148,9 +148,11 @@ class ExpertSampler:
     weights once. Graphs are captured lazily on first use of a shape and kept (about 1 s);
     on CPU (or with cuda_graphs=False) the same states run eagerly.
 
-    A cache with a shared part (samples of one prompt) runs in a shared state: the common
-    prefix is held and read once for all rows (its capacity bucketed as above), each row's
-    own columns are rounded up to a multiple of min(bucket, 64) and masked exactly.
+    A cache of several rows with a shared part (samples of one prompt) runs in a shared
+    state: the common prefix is held and read once for all rows, at its exact length (the
+    prompt's length changes only with the route text or the cameras), and each row's own
+    columns are rounded up to a multiple of min(bucket, 64) and masked exactly. One row
+    runs in a plain state (nothing to share).
 
     compile_layers: torch.compile the layer step (fuses the norms, RoPE and K/V writes; 30%
     faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
@@ -217,7 +219,7 @@ class ExpertSampler:
             raise ValueError(
                 f"guidance_weight: {guidance_weight} needs uncond_cache (only 1.0 works without)"
             )
-        if uncond_cache is not None:
+        if uncond_cache is not None or cache.rows == 1:
             cache = cache.materialized()  # guided rows ride in one plain batch (see _integrate)
         rows = cache.keys[0].shape[0]
         caches = [cache] if uncond_cache is None else [cache, uncond_cache]
@@ -230,22 +232,22 @@ class ExpertSampler:
             init_noise=init_noise, device=self.device,
         )
         weight = None if uncond_cache is None else guidance_weight
-        shared_capacity = None
+        shared = None
         if cache.shared_keys is not None:
-            shared_capacity = -(-cache.shared_length // self.bucket) * self.bucket
+            shared = cache.shared_length
             own_bucket = min(self.bucket, 64)
-            own = cache.length - cache.shared_length + self.expert.config.n_waypoints
+            own = cache.length - shared + self.expert.config.n_waypoints
             capacity = -(-own // own_bucket) * own_bucket
-            masked = shared_capacity != cache.shared_length
+            masked = False
         else:
             capacity = self.capacity_for(max(c.length for c in caches))
             masked = self.bucket > 1 or any(self._needs_mask(c, capacity) for c in caches)
-        key = (capacity, rows, steps, weight, masked, shared_capacity or 0)
+        key = (capacity, rows, steps, weight, masked, shared or 0)
         runner = self._runners.get(key)
         fresh = runner is None
         if fresh:
             state = self.expert.new_state(
-                rows * len(caches), capacity, masked=masked, shared_capacity=shared_capacity
+                rows * len(caches), capacity, masked=masked, shared=shared
             )
             runner = _Runner(state=state, x0=torch.zeros_like(x0))
             self._runners[key] = runner
