@@ -881,6 +881,11 @@ def _samples_of_one_prompt(
     accept it unchanged.
     """
     first, (prompt, params) = entries[0]
+    fields = ("temperature", "top_p", "max_tokens", "stop_token_ids", "extra_args")
+    for ext, (row_prompt, row_params) in entries[1:]:
+        differs = [name for name in fields if getattr(row_params, name) != getattr(params, name)]
+        if row_prompt is not prompt or differs:
+            raise ValueError(f"requests: {ext} is not a sample of {first}'s prompt (differs in {differs or 'prompt'})")
     processed = engine.input_processor.process_inputs(
         first, prompt, params, supported_tasks=engine.get_supported_tasks()
     )
