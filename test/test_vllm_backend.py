@@ -268,10 +268,22 @@ def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
         backbone.rollout(prompt, num_samples=0, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=None)
     with pytest.raises(ValueError, match="generated_ids"):
         backbone.prefill(prompt, [[vllm_pipeline.tokenizer.ids.image_pad]])
+    from alpamayo_ros.core import vllm_adapter
     from alpamayo_ros.core.backbone_vllm import EngineOptions
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineOptions(tensor_parallel_size=2)
+    # a shared-prompt batch whose rows differ in more than their seed is refused before any is added
+    (request,) = backbone._requests(prompt, [()])
+    rows = [vllm_adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=n, seed=n) for n in (4, 5)]
+    with pytest.raises(ValueError, match="requests: .*differs in \\['max_tokens'\\]"):
+        vllm_adapter.run_requests(
+            backbone._llm, backbone._sink, [(request, p) for p in rows], stop_after=None, capture=True, shared_prompt=True
+        )
+    again = backbone.rollout(
+        prompt, num_samples=2, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=torch.Generator()
+    )
+    assert len(again.generated_ids) == 2 and not backbone._llm.llm_engine.has_unfinished_requests()
 
 def test_model_folder_links_weights_and_builds_a_missing_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """vLLM's model folder never copies weights; a checkpoint without tokenizer files gets

@@ -220,7 +220,8 @@ class ExpertSampler:
                 f"guidance_weight: {guidance_weight} needs uncond_cache (only 1.0 works without)"
             )
         if uncond_cache is not None or cache.rows == 1:
-            cache = cache.materialized()  # guided rows ride in one plain batch (see _integrate)
+            # guided rows ride in one plain batch (see _integrate); one row has nothing to share
+            cache = cache.materialized()
         rows = cache.keys[0].shape[0]
         caches = [cache] if uncond_cache is None else [cache, uncond_cache]
         if any(c.keys[0].shape[0] != rows for c in caches):
