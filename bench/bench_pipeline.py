@@ -1,7 +1,8 @@
 """Benchmark the planning pipeline (the same `Pipeline.plan` the node calls), per stage.
 
 Workloads (issue 7): W16 = cameras 0,1,2,6 x 4 frames of 1080x1920 RGB, 1 sample, reasoning forced
-to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights.
+to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights;
+"-s16" = 16 samples of each plan (upstream's num_traj_samples=16, the setting behind minADE@16).
 Inputs stream as a node sees them at a 10 Hz plan rate: each plan brings one new frame per camera
 and shares the other three with the plan before (so frame caches work as in the node);
 "-fresh" = every frame of every plan is new (nothing can be reused).
@@ -48,6 +49,7 @@ class Workload:
     reasoning_tokens: int = 40
     quantization: str | None = None
     stream: bool = True  # consecutive plans share all but one frame per camera
+    samples: int = 1  # trajectories (reasoning rows) per plan
 
 
 
@@ -55,9 +57,11 @@ class Workload:
 WORKLOADS = {
     "W16": Workload(cameras=(0, 1, 2, 6)),
     "W16-fresh": Workload(cameras=(0, 1, 2, 6), stream=False),
+    "W16-s16": Workload(cameras=(0, 1, 2, 6), samples=16),
     "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8"),
     "W4": Workload(cameras=(1,)),
     "smoke": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8),
+    "smoke-s3": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8, samples=3),
 }
 
 
@@ -101,7 +105,7 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, 
     profile: then trace one more plan with torch.profiler and write its op tables there.
     """
     settings = SamplingSettings(
-        num_samples=1,
+        num_samples=workload.samples,
         temperature=0.0,
         max_reasoning_tokens=workload.reasoning_tokens,
         min_reasoning_tokens=workload.reasoning_tokens,
@@ -125,7 +129,9 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, 
             in_use_peak = max(in_use_peak, (total - free) / 2**30)
         if index < warmup:
             continue
-        generated.append(len(plan.generated_ids[0]))
+        if len(plan.generated_ids) != workload.samples:
+            raise RuntimeError(f"plan {index}: {len(plan.generated_ids)} rows for {workload.samples} samples")
+        generated.extend(len(row) for row in plan.generated_ids)
         for stage, ms in plan.timings_ms.items():
             stages.setdefault(stage, []).append(ms)
         stages.setdefault("wall", []).append(wall_ms)
@@ -162,13 +168,20 @@ def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, ima
     expert = config.expert
     expert_layer = expert.hidden_size * expert.head_dim * (2 * expert.num_heads + 2 * expert.num_kv_heads)
     expert_params = expert.num_layers * (expert_layer + 3 * expert.hidden_size * expert.intermediate_size)
-    prefix_kv = kv_bytes_per_token * prompt_tokens * expert.num_layers / layers
-    expert_ms = 10 * (expert_params * 2 + prefix_kv) / HBM_BYTES_PER_S * 1e3
+    prefix_kv = kv_bytes_per_token * prompt_tokens * expert.num_layers / layers  # read once: rows share it
+    expert_bytes_ms = 10 * (expert_params * 2 + prefix_kv) / HBM_BYTES_PER_S * 1e3
+    # with many rows the expert is bound by FLOPs: 64 tokens per row through every weight, and
+    # their attention to the prefix
+    tokens = 64 * workload.samples
+    attention_flops = 4 * expert.num_layers * expert.num_heads * expert.head_dim * tokens * prompt_tokens
+    expert_flops_ms = 10 * (2 * expert_params * tokens + attention_flops) / BF16_FLOPS_PER_S * 1e3
+    # decode: weights once per step, every row's K/V
+    decode_ms += kv_bytes_per_token * prompt_tokens * (workload.samples - 1) / HBM_BYTES_PER_S * 1e3
     floors = {
         "vision": vision_flops / BF16_FLOPS_PER_S * 1e3,
         "prefill": prefill_flops / BF16_FLOPS_PER_S * 1e3,
         "decode": decode_ms * workload.reasoning_tokens,
-        "expert": expert_ms,
+        "expert": max(expert_bytes_ms, expert_flops_ms),
     }
     floors["backbone"] = floors["vision"] + floors["prefill"] + floors["decode"]
     # names of the pipeline's backbone sub-stages (Plan.timings_ms) these floors bound
@@ -200,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    names = ["smoke"] if args.smoke else args.workload.split(",")
+    names = args.workload.split(",")
+    if args.smoke:  # the tiny workloads named, else the plain one
+        names = [name for name in names if name.startswith("smoke")] or ["smoke"]
     unknown = [name for name in names if name not in WORKLOADS]
     if unknown:
         parser.error(f"--workload: unknown {unknown}; known: {sorted(WORKLOADS)}")
@@ -226,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config: AlpamayoConfig, dtype: str) -> dict:
     """Every backend on one workload, one after the other in this process."""
     workload = WORKLOADS[name]
-    results: dict = {"workload": name, "device": args.device, "dtype": dtype, "backends": {}}
+    results: dict = {"workload": name, "samples": workload.samples, "device": args.device, "dtype": dtype, "backends": {}}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
     backends = args.backends.split(",")

@@ -193,3 +193,19 @@ def test_bad_inputs_name_the_argument():
         ActionSpaceConfig(accel_std=0.0)
     with pytest.raises(ValueError, match="curvature_bounds"):
         ActionSpaceConfig(curvature_bounds=(0.2, -0.2))
+
+
+def test_samples_of_one_scene_share_its_history():
+    """Rows of one plan pass the history once (leading dim 1): each row's trajectory equals
+    the one integrated from its own copy of the history."""
+    space = UnicycleActionSpace(RELEASED)
+    hist_xyz, hist_rot = history(7.0, 0.005)
+    g = torch.Generator().manual_seed(0)
+    actions = torch.randn(5, N, 2, generator=g) * 0.3
+    xyz, rot = space.action_to_traj(actions, hist_xyz[None], hist_rot[None])
+    assert xyz.shape == (5, N, 3) and rot.shape == (5, N, 3, 3)
+    for row in range(5):
+        one_xyz, one_rot = space.action_to_traj(actions[row], hist_xyz, hist_rot)
+        assert torch.equal(xyz[row], one_xyz) and torch.equal(rot[row], one_rot)
+    with pytest.raises(ValueError, match="action"):  # two histories cannot serve five rows
+        space.action_to_traj(actions, hist_xyz.expand(2, -1, -1), hist_rot.expand(2, -1, -1, -1))

@@ -30,3 +30,17 @@ def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
     assert "| hf | total |" in result.stdout
     profile = (tmp_path / "profile" / "smoke-hf-profile.txt").read_text()  # one traced plan, stage ranges named
     assert all(f"pipeline.{stage}" in profile for stage in ("preprocess", "backbone", "expert", "action"))
+
+
+def test_bench_smoke_runs_several_samples_per_plan(tmp_path: Path) -> None:
+    """The W16-s16 shape in small: every plan returns one reasoning row per sample."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_pipeline.py"), "--smoke", "--workload", "smoke-s3",
+         "--backends", "hf", "--runs", "2", "--warmup", "0", "--json-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "smoke-s3.json").read_text())
+    assert report["samples"] == 3
+    assert report["backends"]["hf"]["generated_tokens"] == [8]  # every row forced to 8 tokens
+    assert report["backends"]["hf"]["stages_ms"]["expert"]["p50"] > 0

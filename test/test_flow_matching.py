@@ -243,3 +243,69 @@ def test_expert_sampler_keeps_only_the_most_recent_shapes():
         assert (got - reference(expert, cache, noise, steps=2)).abs().max() < 1e-5
     kept = sorted(key[0] - 64 for key in sampler._runners)
     assert kept == [21, 23]  # 22 was the least recently used when 23 arrived
+
+
+def shared_cache_of(rows: int, shared: int, own: int, offsets: list[int], seed: int, valid=None) -> PrefixCache:
+    """A cache whose first `shared` columns are held once for all rows (samples of one prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    return PrefixCache(
+        keys=[torch.randn(rows, KV_HEADS, own, HEAD_DIM, generator=g) for _ in range(LAYERS)],
+        values=[torch.randn(rows, KV_HEADS, own, HEAD_DIM, generator=g) for _ in range(LAYERS)],
+        offsets=torch.tensor(offsets), rope_deltas=torch.full((rows,), -4), valid=valid,
+        shared_keys=[torch.randn(1, KV_HEADS, shared, HEAD_DIM, generator=g) for _ in range(LAYERS)],
+        shared_values=[torch.randn(1, KV_HEADS, shared, HEAD_DIM, generator=g) for _ in range(LAYERS)],
+    )
+
+
+@pytest.mark.parametrize("bucket", [1, 32])
+def test_shared_prefix_sampler_matches_the_reference_on_full_rows(bucket):
+    """Samples of one prompt: the prefix is held once, each row keeps its own reasoning columns
+    (different stops, padding), and the plan equals the reference over per-row full copies."""
+    expert = well_conditioned_expert()
+    sampler = ExpertSampler(expert, bucket=bucket)
+    valid = torch.ones(4, 30 + 9, dtype=torch.bool)
+    valid[3, 30 + 5 :] = False  # a shorter row, right-padded
+    plans = [
+        shared_cache_of(4, 30, 9, [39, 35, 31, 35], seed=1, valid=valid),
+        shared_cache_of(4, 30, 7, [37, 37, 37, 37], seed=2),  # same shape: the state is reused
+        shared_cache_of(1, 45, 3, [48], seed=3),
+    ]
+    for i, cache in enumerate(plans):
+        noise = torch.randn(cache.rows, 64, 2, generator=seeded(i))
+        got = sampler.sample(cache, steps=4, init_noise=noise)
+        full = cache.materialized()
+        assert full.keys[0].shape == (cache.rows, KV_HEADS, cache.length, HEAD_DIM)
+        expected = reference(expert, full, noise, steps=4)
+        assert (got - expected).abs().max() < 1e-5, i
+        assert (expected - noise).abs().max() > 0.1
+    shapes = list(sampler._runners)  # (capacity, rows, ..., shared); one row runs plain
+    own = 9 + 64 if bucket == 1 else 96
+    assert shapes[0] == (own, 4, 4, None, False, 30)  # the prefix at its exact length, own columns bucketed
+    assert shapes[-1] == (45 + 3 + 64 if bucket == 1 else 128, 1, 4, None, bucket > 1, 0)
+    assert len(shapes) == (3 if bucket == 1 else 2)  # bucketed, plans 1 and 2 share a state
+
+
+def test_shared_prefix_state_loads_no_row_copies_and_rejects_bad_caches():
+    expert = well_conditioned_expert()
+    cache = shared_cache_of(3, 20, 6, [26, 24, 26], seed=4)
+    state = expert.prepare(cache)
+    assert tuple(state.shared_keys[0].shape) == (1, KV_HEADS, 20, HEAD_DIM)
+    assert tuple(state.keys[0].shape) == (3, KV_HEADS, 6 + 64, HEAD_DIM)
+    x, t = torch.randn(3, 64, 2, generator=seeded(1)), torch.rand(3, generator=seeded(2))
+    with torch.no_grad():
+        fast = expert.velocity_prepared(x, t, state)
+        slow = expert.velocity(x, t, cache)
+    assert (fast - slow).abs().max() < 1e-5
+    blocked = shared_cache_of(2, 20, 6, [26, 15], seed=5)  # offset inside the shared part
+    with pytest.raises(ValueError, match="shared column is blocked"):
+        expert.prepare(blocked)
+    with pytest.raises(ValueError, match="shared state takes exactly one cache"):
+        expert.load_state(state, [cache.materialized()])
+    plain = expert.prepare(cache.materialized())
+    with pytest.raises(ValueError, match="load it into a shared state"):
+        expert.load_state(plain, [cache])
+    with pytest.raises(ValueError, match="shared_keys: expected layers"):
+        PrefixCache(
+            keys=cache.keys, values=cache.values, offsets=cache.offsets, rope_deltas=cache.rope_deltas,
+            shared_keys=[k.expand(3, -1, -1, -1) for k in cache.shared_keys], shared_values=cache.shared_values,
+        )

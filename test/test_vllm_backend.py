@@ -101,7 +101,8 @@ def _prompt(pipeline: Pipeline, make_driving_input, cameras, frames, route, seed
 
 
 def _assert_cache_close(ours, reference, rows_lengths) -> None:
-    """Every layer's K and V equal on each row's valid columns."""
+    """Every layer's K and V equal on each row's valid columns (a shared prefix counts for every row)."""
+    ours = ours.materialized()
     assert len(ours.keys) == len(reference.keys)
     for layer, (k, v, rk, rv) in enumerate(zip(ours.keys, ours.values, reference.keys, reference.values)):
         for row, length in enumerate(rows_lengths):
@@ -168,6 +169,9 @@ def test_greedy_stops_one_token_after_traj_future_start(vllm_pipeline, hf_pipeli
         assert row[-1] == ids.traj_future_start and row.count(ids.traj_future_start) == 1
     # the cache ends at the stop token: the token sampled after it was never fed
     assert ours.cache.offsets.tolist() == [prompt_len + len(ours.generated_ids[0])] * 2 == [ours.cache.length] * 2
+    # the two samples share the prompt's K/V, held once; each row keeps only its reasoning
+    assert ours.cache.shared_length == prompt_len and ours.cache.shared_keys[0].shape[0] == 1
+    assert ours.cache.keys[0].shape[2] == ours.cache.length - prompt_len
     oracle = hf_pipeline.backbone.prefill(prompt, ours.generated_ids)
     _assert_cache_close(ours.cache, oracle, [ours.cache.length] * 2)
 
@@ -198,6 +202,7 @@ def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipelin
         assert offset == prompt_len + len(row)
         lengths.append(offset if stopped else offset - 1)  # K/V of every fed token
     assert first.cache.length == max(lengths)
+    assert first.cache.shared_length == prompt_len
     if first.cache.valid is not None:
         assert first.cache.valid.sum(dim=1).tolist() == lengths
     oracle = hf_pipeline.backbone.prefill(prompt, first.generated_ids)
@@ -263,10 +268,22 @@ def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
         backbone.rollout(prompt, num_samples=0, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=None)
     with pytest.raises(ValueError, match="generated_ids"):
         backbone.prefill(prompt, [[vllm_pipeline.tokenizer.ids.image_pad]])
+    from alpamayo_ros.core import vllm_adapter
     from alpamayo_ros.core.backbone_vllm import EngineOptions
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineOptions(tensor_parallel_size=2)
+    # a shared-prompt batch whose rows differ in more than their seed is refused before any is added
+    (request,) = backbone._requests(prompt, [()])
+    rows = [vllm_adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=n, seed=n) for n in (4, 5)]
+    with pytest.raises(ValueError, match="requests: .*differs in \\['max_tokens'\\]"):
+        vllm_adapter.run_requests(
+            backbone._llm, backbone._sink, [(request, p) for p in rows], stop_after=None, capture=True, shared_prompt=True
+        )
+    again = backbone.rollout(
+        prompt, num_samples=2, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=torch.Generator()
+    )
+    assert len(again.generated_ids) == 2 and not backbone._llm.llm_engine.has_unfinished_requests()
 
 def test_model_folder_links_weights_and_builds_a_missing_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """vLLM's model folder never copies weights; a checkpoint without tokenizer files gets

@@ -148,14 +148,23 @@ class UnicycleActionSpace:
         """Integrate a normalised action (..., 64, 2) into future poses.
 
         Returns xyz (..., 64, 3) and yaw rotations (..., 64, 3, 3) at t0+dt ... t0+64*dt in
-        the t0 ego frame; z is held at the last history z.
+        the t0 ego frame; z is held at the last history z. The history's leading dims may
+        broadcast to the action's (samples of one scene: its speed is fitted once).
         """
         cfg = self.config
         _check_poses("hist", hist_xyz, hist_rot)
-        if action.shape != hist_xyz.shape[:-2] + (cfg.n_waypoints, 2):
-            expected = tuple(hist_xyz.shape[:-2]) + (cfg.n_waypoints, 2)
-            raise ValueError(f"action: expected {expected}, got {tuple(action.shape)}")
-        v0 = self.estimate_v0(hist_xyz, hist_rot)
+        batch = tuple(hist_xyz.shape[:-2])
+        leading = tuple(action.shape[:-2])
+        try:
+            fits = tuple(torch.broadcast_shapes(batch, leading)) == leading
+        except RuntimeError:
+            fits = False
+        if tuple(action.shape[-2:]) != (cfg.n_waypoints, 2) or not fits:
+            raise ValueError(
+                f"action: expected {batch} (or dims it broadcasts to) + ({cfg.n_waypoints}, 2),"
+                f" got {tuple(action.shape)}"
+            )
+        v0 = self.estimate_v0(hist_xyz, hist_rot).expand(leading)
         dt = cfg.dt
         with torch.autocast(hist_xyz.device.type, enabled=False):
             action = action.to(v0.dtype)

@@ -46,6 +46,9 @@ class PrefixCache:
     rope_deltas: (N,) int64, M-RoPE delta of each row; expert token j sits at position
         j + offset + rope_delta on all three M-RoPE axes.
     valid: (N, T) bool or None; False marks padding columns (never attended).
+    shared_keys/shared_values: None, or one tensor per layer (1, H_kv, S, head_dim) holding
+        columns [0, S) once for every row (samples of one prompt share it); keys/values then
+        hold only each row's columns [S, T). Offsets, valid and T count all columns.
     """
 
     keys: list[torch.Tensor]
@@ -53,10 +56,48 @@ class PrefixCache:
     offsets: torch.Tensor
     rope_deltas: torch.Tensor
     valid: torch.Tensor | None = None
+    shared_keys: list[torch.Tensor] | None = None
+    shared_values: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.shared_keys is None) != (self.shared_values is None):
+            raise ValueError("shared_keys/shared_values: give both or neither")
+        if self.shared_keys is not None:
+            shared, rows = self.shared_keys[0].shape, self.keys[0].shape
+            if shared[0] != 1 or shared[1] != rows[1] or shared[3] != rows[3]:
+                raise ValueError(f"shared_keys: expected layers (1, {rows[1]}, S, {rows[3]}), got {tuple(shared)}")
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def shared_length(self) -> int:
+        """Columns held once for all rows (0 without a shared part)."""
+        return 0 if self.shared_keys is None else self.shared_keys[0].shape[2]
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[2]
+        return self.shared_length + self.keys[0].shape[2]
+
+    def materialized(self) -> PrefixCache:
+        """The same cache with every row's columns in its own tensors (no shared part).
+
+        For consumers of the plain (N, H_kv, T, D) layout: the reference expert path, tests.
+        """
+        if self.shared_keys is None:
+            return self
+
+        def full(shared: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [torch.cat([s.expand(o.shape[0], -1, -1, -1), o], dim=2) for s, o in zip(shared, own)]
+
+        return PrefixCache(
+            keys=full(self.shared_keys, self.keys),
+            values=full(self.shared_values, self.values),
+            offsets=self.offsets,
+            rope_deltas=self.rope_deltas,
+            valid=self.valid,
+        )
 
 
 @dataclass

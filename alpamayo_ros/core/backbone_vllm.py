@@ -5,7 +5,8 @@ preprocessed (resized uint8) frames go in, reasoning ids and a PrefixCache come 
 internals are touched only through core.vllm_adapter.
 
 Each sample is its own vLLM request (n=1, seed = base seed + row), so rows never wait for
-each other. A row ends when it samples `<|im_end|>` (kept), at max_new_tokens, or one token
+each other; the samples of one rollout share the prompt's processing, prefill and K/V (see
+vllm_adapter.run_requests, shared_prompt), so the expert reads that prefix once for all rows. A row ends when it samples `<|im_end|>` (kept), at max_new_tokens, or one token
 after its first `<|traj_future_start|>` (it is aborted once that token is seen), which gives
 upstream's cache for that row. Upstream keeps early rows decoding until the last row stops;
 those extra tokens sit at columns >= offset, which the expert masks, so the plans agree.
@@ -261,6 +262,7 @@ class VLLMBackbone:
             timings=timings,
             model_mask=mask if in_model else None,
             stop=self.stop,
+            shared_prompt=num_samples > 1,
         )
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
         return results
@@ -314,23 +316,32 @@ class VLLMBackbone:
     ) -> PrefixCache:
         """Stack per-row captures into (N, H, T, D) layers; short rows are right-padded.
 
-        offset = just after the first <|traj_future_start|>, else prompt + the row's length
-        (upstream: last index + 1), as in the HF backend.
+        Samples of one prompt (rows after the first captured from the prompt's end on, see
+        run_requests) give a shared cache: the prompt's K/V once, from the first row, and
+        each row's own columns after it. offset = just after the first
+        <|traj_future_start|>, else prompt + the row's length (upstream: last index + 1),
+        as in the HF backend.
         """
         prompt_len = int(prompt.input_ids.shape[0])
+        shared = prompt_len if any(capture.start for capture in captured) else 0
         for row, (capture, length) in enumerate(zip(captured, lengths)):
-            if capture.keys[0].shape[0] < length:
-                raise RuntimeError(f"row {row}: vLLM holds K/V of {capture.keys[0].shape[0]} tokens, need {length}")
+            if capture.start + capture.keys[0].shape[0] < length or capture.start > shared:
+                held = (capture.start, capture.start + capture.keys[0].shape[0])
+                raise RuntimeError(f"row {row}: vLLM holds K/V of positions {held}, need [{shared}, {length})")
         rows, width = len(captured), max(lengths)
         _, heads, head_dim = captured[0].keys[0].shape  # (T, H, D)
         device = captured[0].keys[0].device
-        keys, values = [], []
+        keys, values, shared_keys, shared_values = [], [], [], []
         for layer in range(len(captured[0].keys)):
-            k = captured[0].keys[layer].new_zeros(rows, heads, width, head_dim)  # (N, H, T, D), as HF's cache
+            if shared:  # (1, H, S, D), the first row's (it read the whole prompt)
+                shared_keys.append(captured[0].keys[layer][:shared].transpose(0, 1)[None].contiguous())
+                shared_values.append(captured[0].values[layer][:shared].transpose(0, 1)[None].contiguous())
+            k = captured[0].keys[layer].new_zeros(rows, heads, width - shared, head_dim)  # as HF's cache
             v = torch.zeros_like(k)
             for row, (capture, length) in enumerate(zip(captured, lengths)):
-                k[row, :, :length] = capture.keys[layer][:length].transpose(0, 1)
-                v[row, :, :length] = capture.values[layer][:length].transpose(0, 1)
+                own = slice(shared - capture.start, length - capture.start)
+                k[row, :, : length - shared] = capture.keys[layer][own].transpose(0, 1)
+                v[row, :, : length - shared] = capture.values[layer][own].transpose(0, 1)
             for capture in captured:  # release this layer's row copies before the next one
                 capture.keys[layer] = capture.values[layer] = None
             keys.append(k)
@@ -344,4 +355,6 @@ class VLLMBackbone:
             offsets=torch.tensor(offsets, dtype=torch.long, device=device),
             rope_deltas=torch.full((rows,), prompt.rope_delta, dtype=torch.long, device=device),
             valid=None if all(length == width for length in lengths) else valid,
+            shared_keys=shared_keys or None,
+            shared_values=shared_values or None,
         )

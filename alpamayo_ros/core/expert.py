@@ -30,6 +30,7 @@ from alpamayo_ros.core.expert_state import (
     ExpertState,
     LayerStep,
     prepared_layer_step,
+    shared_layer_step,
 )
 
 logger = logging.getLogger(__name__)
@@ -354,6 +355,69 @@ class ExpertAttention(nn.Module):
             return self._attend(q, keys, values, None)
 
 
+    def forward_shared(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        shared_keys: torch.Tensor,
+        shared_values: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        own_bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward_prepared over a shared ExpertState layer: every row attends to the one
+        shared prefix (1, Hkv, S, D) and to its own columns (N, Hkv, C, D).
+
+        The shared part runs as one attention call with all rows' queries stacked along
+        the query axis, so the prefix is read once per layer, not once per row; the own part
+        (reasoning + action columns, masked by own_bias) is small. The two softmaxes are
+        joined exactly through their log-sum-exps.
+        """
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
+        q, k, v = self._heads(*qkv, rope)
+        n_rows, _, length, head_dim = q.shape
+        keys[:, :, -length:] = k
+        values[:, :, -length:] = v
+        scale = head_dim**-0.5
+        q = q.reshape(n_rows, self.num_kv_heads, -1, head_dim)  # GQA folding, see _attend
+        folded = q.shape[2]
+        stacked = q.transpose(0, 1).reshape(1, self.num_kv_heads, n_rows * folded, head_dim)
+        shared_out, shared_lse = attention_with_lse(stacked, shared_keys, shared_values, scale)
+        shared_out = shared_out.reshape(self.num_kv_heads, n_rows, folded, head_dim).transpose(0, 1)
+        shared_lse = shared_lse.reshape(self.num_kv_heads, n_rows, folded).transpose(0, 1)
+        bias = own_bias.expand(n_rows, self.num_kv_heads, folded, -1)
+        own_out, own_lse = attention_with_lse(q, keys, values, scale, bias)
+        lse = torch.logaddexp(shared_lse, own_lse)
+        out = shared_out.float() * torch.exp(shared_lse - lse)[..., None]
+        out = out + own_out.float() * torch.exp(own_lse - lse)[..., None]
+        out = out.to(h.dtype).reshape(n_rows, self.num_heads, length, head_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(n_rows, length, -1))
+
+
+def attention_with_lse(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention (B, H, L, D) and the log-sum-exp of its scaled, biased scores (B, H, L) fp32.
+
+    bias: additive, broadcast to (B, H, L, S), in q's dtype. On CUDA in half types, one fused
+    kernel (flash without a bias, memory-efficient with one) that returns the log-sum-exp
+    anyway; on the CPU flash without a bias; the spelled-out math in fp32 elsewhere.
+    """
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and bias is None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, False, False, scale=scale)[:2]
+        return out, lse
+    if q.is_cuda and half:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, bias, True, scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]
+    if q.device.type == "cpu" and bias is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, False, scale=scale)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype), torch.logsumexp(scores, dim=-1)
+
+
 class ExpertMLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -411,6 +475,22 @@ class ExpertLayer(nn.Module):
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_shared(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        shared_keys: torch.Tensor,
+        shared_values: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        own_bias: torch.Tensor,
+    ) -> torch.Tensor:
+        attn = self.self_attn.forward_shared(
+            self.input_layernorm(h), rope, shared_keys, shared_values, keys, values, own_bias
+        )
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class ExpertModel(nn.Module):
     """The decoder stack (upstream's `expert`: a Qwen3VLTextModel without embed_tokens)."""
@@ -456,13 +536,24 @@ class ExpertModel(nn.Module):
         self,
         inputs_embeds: torch.Tensor,
         state: ExpertState,
-        layer_step: LayerStep = prepared_layer_step,
+        layer_step: LayerStep | None = None,
     ) -> torch.Tensor:
-        """forward() over a prepared state: (N, W, E) embeddings -> final-normed hidden states."""
+        """forward() over a prepared state: (N, W, E) embeddings -> final-normed hidden states.
+
+        layer_step: prepared_layer_step (or a compiled twin), shared_layer_step for a shared
+        state; None picks the plain one that fits the state.
+        """
         rope = (state.cos, state.sin)
         h = inputs_embeds
-        for layer, keys, values in zip(self.layers, state.keys, state.values):
-            h = layer_step(layer, h, rope, keys, values, state.query_pad)
+        if state.shared_keys is None:
+            step = layer_step or prepared_layer_step
+            for layer, keys, values in zip(self.layers, state.keys, state.values):
+                h = step(layer, h, rope, keys, values, state.query_pad)
+        else:
+            step = layer_step or shared_layer_step
+            shared = zip(state.shared_keys, state.shared_values, state.keys, state.values)
+            for layer, (shared_keys, shared_values, keys, values) in zip(self.layers, shared):
+                h = step(layer, h, rope, shared_keys, shared_values, keys, values, state.own_bias)
         return self.norm(h)
 
 
@@ -506,8 +597,7 @@ def _blocked_prefix(cache: PrefixCache) -> torch.Tensor:
     Those are the columns [offset, T) (tokens other rows generated past their stop) and
     the ones where cache.valid is False.
     """
-    n_rows, _, length, _ = cache.keys[0].shape
-    device = cache.keys[0].device
+    n_rows, length, device = cache.rows, cache.length, cache.keys[0].device
     if tuple(cache.offsets.shape) != (n_rows,):
         raise ValueError(f"cache.offsets: expected ({n_rows},), got {tuple(cache.offsets.shape)}")
     if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
@@ -562,24 +652,28 @@ class ActionExpertModel(nn.Module):
         the cache tensors (incl. offsets, rope_deltas, valid) already live on the device.
         """
         self._check_action(x, t, cache.keys[0].shape[0])
+        cache = cache.materialized()  # the reference reads every row's columns in full
         embeds = self.action_in_proj(x, t)
         positions, mask = build_positions_and_mask(cache, x.shape[1])
         hidden = self.expert(embeds, positions, mask, cache.keys, cache.values)
         return self.action_out_proj(hidden)
 
-    def new_state(self, rows: int, capacity: int, *, masked: bool) -> ExpertState:
-        """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W)."""
+    def new_state(
+        self, rows: int, capacity: int, *, masked: bool, shared: int | None = None
+    ) -> ExpertState:
+        """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W).
+
+        With `shared`, a shared state: that many columns of common prefix, and `capacity` own
+        columns per row (own tokens + padding + W), masked exactly (`masked` is not used).
+        """
         cfg = self.config
-        return ExpertState.zeros(
-            rows=rows,
-            capacity=capacity,
-            n_tokens=cfg.n_waypoints,
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            masked=masked,
-            like=self.expert.norm.weight,
+        sizes = dict(
+            rows=rows, capacity=capacity, n_tokens=cfg.n_waypoints, num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, like=self.expert.norm.weight,
         )
+        if shared is None:
+            return ExpertState.zeros(masked=masked, **sizes)
+        return ExpertState.zeros_shared(shared=shared, **sizes)
 
     def load_state(self, state: ExpertState, caches: Sequence[PrefixCache]) -> None:
         """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
@@ -587,6 +681,19 @@ class ActionExpertModel(nn.Module):
         One state serves any plan that fits: see ExpertState.load_rows.
         """
         cfg = self.config
+        if state.shared_keys is not None:
+            if len(caches) != 1 or caches[0].shared_keys is None:
+                raise ValueError("caches: a shared state takes exactly one cache with a shared part")
+            cache = caches[0]
+            _check_cache_layers(cfg, cache.keys, cache.values, cache.rows)
+            cos, sin = self.expert.rotary_emb(_action_positions(cache, cfg.n_waypoints), state.cos.dtype)
+            state.load_shared(
+                cache.shared_keys, cache.shared_values, cache.keys, cache.values, _blocked_prefix(cache),
+                (cos[:, None], sin[:, None]),
+            )
+            return
+        if any(cache.shared_keys is not None for cache in caches):
+            raise ValueError("caches: one has a shared part; load it into a shared state (new_state(shared=...))")
         rows = sum(cache.keys[0].shape[0] for cache in caches)
         if rows != state.rows:
             raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
@@ -608,8 +715,12 @@ class ActionExpertModel(nn.Module):
         """
         needed = cache.length + self.config.n_waypoints
         capacity = needed if capacity is None else capacity
-        masked = capacity != needed or bool(_blocked_prefix(cache).any())
-        state = self.new_state(cache.keys[0].shape[0], capacity, masked=masked)
+        if cache.shared_keys is not None:
+            own = capacity - cache.shared_length
+            state = self.new_state(cache.rows, own, masked=False, shared=cache.shared_length)
+        else:
+            masked = capacity != needed or bool(_blocked_prefix(cache).any())
+            state = self.new_state(cache.keys[0].shape[0], capacity, masked=masked)
         self.load_state(state, [cache])
         return state
 
@@ -619,7 +730,7 @@ class ActionExpertModel(nn.Module):
         t: torch.Tensor,
         state: ExpertState,
         *,
-        layer_step: LayerStep = prepared_layer_step,
+        layer_step: LayerStep | None = None,
     ) -> torch.Tensor:
         """velocity(x, t, cache) for the cache(s) loaded into `state`.
 

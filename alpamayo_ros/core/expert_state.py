@@ -47,6 +47,12 @@ class ExpertState:
     cos/sin: (N, 1, W, D) RoPE of the action tokens, in the model dtype.
     query_pad: None if nothing is masked (Dk = D). Else the row [1, 0, ...] of MASK_CHANNELS
         appended to every query; Dk = D + MASK_CHANNELS and keys[..., D] is the mask bias.
+
+    A shared state (samples of one prompt, see PrefixCache.shared_keys) keeps the common
+    prefix once: shared_keys/shared_values per layer (1, Hkv, S, D), exactly S columns, so
+    nothing there needs a mask (query_pad is None). keys/values are then (N, Hkv, C, D),
+    each row's own columns, padding and action columns, masked by own_bias (N, 1, 1, C) in
+    the model dtype (0 = attended, else the dtype's minimum).
     """
 
     keys: list[torch.Tensor]
@@ -54,6 +60,9 @@ class ExpertState:
     cos: torch.Tensor
     sin: torch.Tensor
     query_pad: torch.Tensor | None
+    shared_keys: list[torch.Tensor] | None = None
+    shared_values: list[torch.Tensor] | None = None
+    own_bias: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -93,6 +102,33 @@ class ExpertState:
             query_pad=query_pad,
         )
 
+    @classmethod
+    def zeros_shared(
+        cls,
+        *,
+        rows: int,
+        shared: int,
+        capacity: int,
+        n_tokens: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        like: torch.Tensor,
+    ) -> ExpertState:
+        """Zeroed buffers of a shared state (see the class doc) for a prefix of `shared` columns."""
+        if shared < 1:
+            raise ValueError(f"shared: must be >= 1, got {shared}")
+        state = cls.zeros(
+            rows=rows, capacity=capacity, n_tokens=n_tokens, num_layers=num_layers,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, masked=False, like=like,
+        )
+        factory = {"device": like.device, "dtype": like.dtype}
+        shape = (1, num_kv_heads, shared, head_dim)
+        state.shared_keys = [torch.zeros(shape, **factory) for _ in range(num_layers)]
+        state.shared_values = [torch.zeros(shape, **factory) for _ in range(num_layers)]
+        state.own_bias = torch.zeros(rows, 1, 1, capacity, **factory)
+        return state
+
     @property
     def rows(self) -> int:
         return self.keys[0].shape[0]
@@ -100,6 +136,50 @@ class ExpertState:
     @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
+
+    @property
+    def shared_length(self) -> int:
+        return 0 if self.shared_keys is None else self.shared_keys[0].shape[2]
+
+    def load_shared(
+        self,
+        shared_keys: Sequence[torch.Tensor],
+        shared_values: Sequence[torch.Tensor],
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        blocked: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Write a shared-prefix cache: its S common columns once, each row's own columns.
+
+        shared_*: per layer (1, Hkv, S, D); keys/values: per layer (N, Hkv, T - S, D);
+        blocked: (N, T) bool as in load_rows, which must leave the common columns open.
+        """
+        if self.shared_keys is None:
+            raise ValueError("state: not a shared state; allocate it with new_state(..., shared=...)")
+        shared = shared_keys[0].shape[2]
+        n_rows, _, length, _ = keys[0].shape
+        n_tokens = self.cos.shape[2]
+        spare = self.capacity - n_tokens
+        if shared != self.shared_length or length > spare:
+            raise ValueError(
+                f"cache: {shared} shared + {length} own tokens do not fit the state's"
+                f" {self.shared_length} shared + {spare} own columns"
+            )
+        if n_rows != self.rows:
+            raise ValueError(f"cache: {n_rows} rows for a state of {self.rows} rows")
+        if bool(blocked[:, :shared].any()):
+            raise ValueError("cache: a shared column is blocked for some row (offset or valid inside the shared part)")
+        own_blocked = F.pad(blocked[:, shared:], (0, self.capacity - length))
+        own_blocked[:, length:spare] = True  # padding
+        self.own_bias.zero_().masked_fill_(own_blocked[:, None, None, :], torch.finfo(self.own_bias.dtype).min)
+        layers = zip(self.shared_keys, self.shared_values, self.keys, self.values, shared_keys, shared_values, keys, values)
+        for state_sk, state_sv, state_k, state_v, sk, sv, k, v in layers:
+            state_sk.copy_(sk)
+            state_sv.copy_(sv)
+            state_k[:, :, :length] = k
+            state_v[:, :, :length] = v
+        self.cos[:], self.sin[:] = rope
 
     def load_rows(
         self,
@@ -161,6 +241,20 @@ def prepared_layer_step(
     differ only in weights); see ExpertModel.forward_prepared.
     """
     return layer.forward_prepared(h, rope, keys, values, query_pad)
+
+
+def shared_layer_step(
+    layer: ExpertLayer,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    shared_keys: torch.Tensor,
+    shared_values: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    own_bias: torch.Tensor,
+) -> torch.Tensor:
+    """One layer over one shared ExpertState layer (see prepared_layer_step)."""
+    return layer.forward_shared(h, rope, shared_keys, shared_values, keys, values, own_bias)
 
 
 #: prepared_layer_step or a compiled twin of it (same arguments).

@@ -21,7 +21,7 @@ import torch
 
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel
-from alpamayo_ros.core.expert_state import ExpertState, LayerStep, prepared_layer_step
+from alpamayo_ros.core.expert_state import ExpertState, LayerStep, prepared_layer_step, shared_layer_step
 from alpamayo_ros.core.types import NUM_WAYPOINTS, PlanCancelled
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,12 @@ class ExpertSampler:
     weights once. Graphs are captured lazily on first use of a shape and kept (about 1 s);
     on CPU (or with cuda_graphs=False) the same states run eagerly.
 
+    A cache of several rows with a shared part (samples of one prompt) runs in a shared
+    state: the common prefix is held and read once for all rows, at its exact length (the
+    prompt's length changes only with the route text or the cameras), and each row's own
+    columns are rounded up to a multiple of min(bucket, 64) and masked exactly. One row
+    runs in a plain state (nothing to share).
+
     compile_layers: torch.compile the layer step (fuses the norms, RoPE and K/V writes; 30%
     faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
     dynamo's recompile limit (8 shapes) further shapes run the layer uncompiled.
@@ -180,12 +186,14 @@ class ExpertSampler:
         self.device = expert.expert.norm.weight.device
         self.uses_cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._layer_step: LayerStep = prepared_layer_step
+        self._shared_step: LayerStep = shared_layer_step
         if compile_layers:
             # One compile serves all layers: they differ only in weights, which are inputs.
             self._layer_step = torch.compile(prepared_layer_step, fullgraph=True, dynamic=False)
+            self._shared_step = torch.compile(shared_layer_step, fullgraph=True, dynamic=False)
         # Least recently used shape first; bounded so a long-running node with varying prompt
         # lengths keeps at most max_shapes states (and graphs) alive.
-        self._runners: OrderedDict[tuple[int, int, int, float | None, bool], _Runner] = OrderedDict()
+        self._runners: OrderedDict[tuple[int, int, int, float | None, bool, int], _Runner] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.uses_cuda_graphs else None
 
     def capacity_for(self, length: int) -> int:
@@ -215,6 +223,9 @@ class ExpertSampler:
             raise ValueError(
                 f"guidance_weight: {guidance_weight} needs uncond_cache (only 1.0 works without)"
             )
+        if uncond_cache is not None or cache.rows == 1:
+            # guided rows ride in one plain batch (see _integrate); one row has nothing to share
+            cache = cache.materialized()
         rows = cache.keys[0].shape[0]
         caches = [cache] if uncond_cache is None else [cache, uncond_cache]
         if any(c.keys[0].shape[0] != rows for c in caches):
@@ -225,19 +236,29 @@ class ExpertSampler:
             rows, noise_temperature=noise_temperature, generator=generator,
             init_noise=init_noise, device=self.device,
         )
-        capacity = self.capacity_for(max(c.length for c in caches))
-        masked = self.bucket > 1 or any(self._needs_mask(c, capacity) for c in caches)
         weight = None if uncond_cache is None else guidance_weight
-        key = (capacity, rows, steps, weight, masked)
+        shared = None
+        if cache.shared_keys is not None:
+            shared = cache.shared_length
+            own_bucket = min(self.bucket, 64)
+            own = cache.length - shared + self.expert.config.n_waypoints
+            capacity = -(-own // own_bucket) * own_bucket
+            masked = False
+        else:
+            capacity = self.capacity_for(max(c.length for c in caches))
+            masked = self.bucket > 1 or any(self._needs_mask(c, capacity) for c in caches)
+        key = (capacity, rows, steps, weight, masked, shared or 0)
         runner = self._runners.get(key)
         fresh = runner is None
         if fresh:
-            state = self.expert.new_state(rows * len(caches), capacity, masked=masked)
+            state = self.expert.new_state(
+                rows * len(caches), capacity, masked=masked, shared=shared
+            )
             runner = _Runner(state=state, x0=torch.zeros_like(x0))
             self._runners[key] = runner
             if len(self._runners) > self.max_shapes:
                 self._runners.popitem(last=False)
-            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, mask)")
+            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, mask, shared)")
         else:
             self._runners.move_to_end(key)
         self.expert.load_state(runner.state, caches)
@@ -261,14 +282,14 @@ class ExpertSampler:
     ) -> torch.Tensor:
         """Euler loop over a loaded state; guided rows ride along in the same batch."""
 
+        step = self._layer_step if state.shared_keys is None else self._shared_step
+
         def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if self.stop is not None and self.stop.is_set():  # a host check, never captured
                 raise PlanCancelled("flow matching cancelled: the pipeline is stopping")
             if weight is None:
-                return self.expert.velocity_prepared(x, t, state, layer_step=self._layer_step)
-            both = self.expert.velocity_prepared(
-                torch.cat([x, x]), torch.cat([t, t]), state, layer_step=self._layer_step
-            )
+                return self.expert.velocity_prepared(x, t, state, layer_step=step)
+            both = self.expert.velocity_prepared(torch.cat([x, x]), torch.cat([t, t]), state, layer_step=step)
             conditional, unguided = both.chunk(2)
             return guide(conditional, unguided, weight)
 

@@ -232,10 +232,10 @@ class Pipeline:
             )
         with self._timed(timings, "action"):
             # On the host: a few hundred scalars through ~100 tiny ops and a small SPD solve
-            # take 0.2 ms there and ~3 ms as GPU kernel launches (bench/RESULTS.md).
-            rows = settings.num_samples
-            hist_xyz = torch.from_numpy(inputs.ego_history_xyz).expand(rows, -1, -1)
-            hist_rot = torch.from_numpy(inputs.ego_history_rot).expand(rows, -1, -1, -1)
+            # take 0.2 ms there and ~3 ms as GPU kernel launches (bench/RESULTS.md). The rows
+            # share one history, so its speed is fitted once for all of them.
+            hist_xyz = torch.from_numpy(inputs.ego_history_xyz)[None]
+            hist_rot = torch.from_numpy(inputs.ego_history_rot)[None]
             action = action.float().cpu()
             xyz, rot = self.action_space.action_to_traj(action, hist_xyz, hist_rot)
             space = self.action_space.config

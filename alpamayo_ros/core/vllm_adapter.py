@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+from copy import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -414,11 +415,13 @@ def read_blocks(
 
 @dataclass
 class CapturedKV:
-    """K/V of one finished request: one (T, H, D) tensor per decoder layer, T = tokens fed."""
+    """K/V of one finished request: one (T - start, H, D) tensor per decoder layer, for the
+    positions [start, T), T = tokens fed."""
 
     token_ids: list[int]  # every token of the request the engine saw (prompt + sampled)
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    start: int = 0  # first position read (the ones before are another request's, see run_requests)
 
 
 @dataclass
@@ -434,6 +437,7 @@ class CaptureSink:
     layouts: list[CacheLayout] = field(default_factory=list)
     scheduler_block_size: int = 0
     wanted: set[str] = field(default_factory=set)
+    skip: dict[str, int] = field(default_factory=dict)  # wanted request -> first position to read
     captured: dict[str, CapturedKV] = field(default_factory=dict)
 
     def transfer_config(self) -> dict[str, Any]:
@@ -445,19 +449,24 @@ class CaptureSink:
             "kv_connector_extra_config": {_SINK_KEY: self.key},
         }
 
-    def read(self, block_ids: list[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer K/V of the first num_tokens positions held by these scheduler blocks."""
+    def read(
+        self, block_ids: list[int], num_tokens: int, start: int = 0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K/V of the positions [start, num_tokens) held by these scheduler blocks."""
         if not self.caches:
             raise RuntimeError("KV capture: the worker never registered its caches")
         kernel_ids: dict[tuple[int, torch.device], torch.Tensor] = {}  # built once per block size
         keys, values = [], []
         for cache, layout in zip(self.caches, self.layouts):
             key = (layout.block_size, cache.device)
+            skipped = start // layout.block_size  # whole kernel blocks before start
             if key not in kernel_ids:
-                kernel_ids[key] = self._kernel_block_ids(block_ids, layout.block_size, num_tokens).to(cache.device)
-            k, v = read_blocks(cache, layout, kernel_ids[key], num_tokens)
-            keys.append(k)
-            values.append(v)
+                ids = self._kernel_block_ids(block_ids, layout.block_size, num_tokens)[skipped:]
+                kernel_ids[key] = ids.to(cache.device)
+            first = skipped * layout.block_size
+            k, v = read_blocks(cache, layout, kernel_ids[key], num_tokens - first)
+            keys.append(k[start - first :])
+            values.append(v[start - first :])
         return keys, values
 
     def _kernel_block_ids(self, block_ids: list[int], kernel_block_size: int, num_tokens: int) -> torch.Tensor:
@@ -576,8 +585,9 @@ class CaptureKVConnector(KVConnectorBase_V1):
             if request.num_computed_tokens < num_fed:
                 computed = request.num_computed_tokens
                 raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
-            keys, values = self._sink.read(list(block_ids), num_fed)
-            self._sink.captured[req_id] = CapturedKV(token_ids, keys, values)
+            start = self._sink.skip.pop(req_id, 0)
+            keys, values = self._sink.read(list(block_ids), num_fed, start)
+            self._sink.captured[req_id] = CapturedKV(token_ids, keys, values, start)
         return False, None
 
 
@@ -772,8 +782,16 @@ def run_requests(
     timings: dict[str, float] | None = None,
     model_mask: MaskSpec | None = None,
     stop: threading.Event | None = None,
+    shared_prompt: bool = False,
 ) -> list[RequestResult]:
     """Run requests to completion and return their ids (and K/V), in request order.
+
+    shared_prompt: the requests are samples of the first one's prompt; only their sampling
+    seeds differ. The prompt is then processed once (the others are copies of the first
+    processed request, as vLLM's own n > 1 fan-out makes them) and prefilled once: the
+    others join after the first one's first token and find its blocks in the prefix cache.
+    With capture, their K/V is read from the prompt's end on (CapturedKV.start): the
+    prompt's K/V is the first request's.
 
     stop_after: a request is aborted as soon as one more token follows this id (upstream's
     stop rule); its K/V then ends at that id.
@@ -793,17 +811,33 @@ def run_requests(
     external = [f"alpamayo-{tag}-{row}" for row in range(len(requests))]
     internal: dict[str, str] = {}
     seen: dict[str, tuple[list[int], list[int]]] = {}
+    adding = 0.0  # seconds spent in add_request after the first request (vLLM input processing)
     try:
         if model_mask is not None:
             _set_token_mask(llm, model_mask)
-        for ext, (prompt, params) in zip(external, requests):
+        entries = list(zip(external, requests))
+        later: list[tuple[str, tuple[Any, SamplingParams]]] = []
+        if shared_prompt:
+            entries = _samples_of_one_prompt(engine, entries)
+            entries, later = entries[:1], entries[1:]
+        for ext, (prompt, params) in entries:
             internal[ext] = engine.add_request(ext, prompt, params)
             if capture:
                 sink.wanted.add(internal[ext])
         added = time.perf_counter()
-        while engine.has_unfinished_requests():
+        prompt_len = len(entries[0][1][0].prompt_token_ids) if shared_prompt else 0
+        while later or engine.has_unfinished_requests():
             if stop is not None and stop.is_set():
                 raise PlanCancelled("vLLM requests cancelled: the pipeline is stopping")
+            if later and (first_token is not None or not engine.has_unfinished_requests()):
+                begun = time.perf_counter()
+                for ext, (request, params) in later:
+                    internal[ext] = engine.add_request(ext, request, params)
+                    if capture:
+                        sink.wanted.add(internal[ext])
+                        sink.skip[internal[ext]] = prompt_len
+                later = []
+                adding += time.perf_counter() - begun
             for output in engine.step():
                 ids = list(output.outputs[0].token_ids)
                 if first_token is None and ids:
@@ -823,10 +857,13 @@ def run_requests(
             _set_token_mask(llm, None)
         for rid in internal.values():
             sink.wanted.discard(rid)
+            sink.skip.pop(rid, None)
     if timings is not None and added is not None and first_token is not None:
         finished = time.perf_counter()
         timings.update(
-            frontend=(added - started) * 1e3, prefill=(first_token - added) * 1e3, decode=(finished - first_token) * 1e3
+            frontend=(added - started + adding) * 1e3,
+            prefill=(first_token - added) * 1e3,
+            decode=(finished - first_token - adding) * 1e3,
         )
     captured = {ext: sink.captured.pop(internal[ext], None) for ext in external}
     missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
@@ -837,6 +874,35 @@ def run_requests(
         if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
             raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
     return [RequestResult(*seen[ext], captured[ext]) for ext in external]
+
+
+def _samples_of_one_prompt(
+    engine: Any, entries: list[tuple[str, tuple[dict[str, Any], SamplingParams]]]
+) -> list[tuple[str, tuple[Any, SamplingParams]]]:
+    """The requests as processed requests: the first one's prompt processed once, then one
+    copy per row with that row's id and seed (what vLLM's parallel sampling, n > 1, does; we
+    cannot use it as is because every row is aborted and captured on its own).
+
+    NOTE: vLLM logs once that passing a processed request is deprecated; 0.26 and 0.27
+    accept it unchanged.
+    """
+    first, (prompt, params) = entries[0]
+    fields = ("temperature", "top_p", "max_tokens", "stop_token_ids", "extra_args")
+    for ext, (row_prompt, row_params) in entries[1:]:
+        differs = [name for name in fields if getattr(row_params, name) != getattr(params, name)]
+        if row_prompt is not prompt or differs:
+            raise ValueError(f"requests: {ext} is not a sample of {first}'s prompt (differs in {differs or 'prompt'})")
+    processed = engine.input_processor.process_inputs(
+        first, prompt, params, supported_tasks=engine.get_supported_tasks()
+    )
+    samples = []
+    for ext, (_, row_params) in entries:
+        request = copy(processed)
+        request.request_id = ext
+        request.sampling_params = copy(processed.sampling_params)
+        request.sampling_params.seed = row_params.seed
+        samples.append((ext, (request, request.sampling_params)))
+    return samples
 
 
 def _set_token_mask(llm: LLM, spec: MaskSpec | None) -> None:

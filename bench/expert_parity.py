@@ -1,0 +1,140 @@
+"""Check the expert's fast paths against the reference on the GPU in bf16, and time them.
+
+The fast paths (ExpertSampler: CUDA graph of the whole loop, compiled layers, bucket 256;
+1 sample over a plain state, 16 samples over one shared prefix) must be as close to the
+fp32 reference as the bf16 reference itself is. One Euler step of dt = 1 from t = 0
+(x1 - x0 = v) is compared: with random weights the 10-step flow is chaotic
+(bench/expert_loop_bench.py), so only one step has a meaningful tolerance. The script exits
+with status 1 on a mismatch: max |v_fast - v_fp32| > 2 x max |v_bf16_ref - v_fp32| (+ 1e-3).
+Then it times full 10-step sampler calls (p50 over --runs, synchronised, state loading
+included) for 1 sample and for 16 samples, shared prefix vs per-row copies.
+
+    PYTHONPATH=. python bench/expert_parity.py --out $OUT/expert_parity.json   # on the GPU
+    PYTHONPATH=. python bench/expert_parity.py --smoke                         # tiny, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
+from alpamayo_ros.core.flow_matching import ExpertSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from expert_loop_bench import FULL, SMOKE, kernel_profile, timed  # noqa: E402  (a sibling script)
+
+
+def shared_cache(config: ExpertConfig, rows: int, prompt: int, own: int, device, dtype) -> PrefixCache:
+    """Samples of one prompt: `prompt` shared columns, `own` reasoning columns per row, row i
+    stopped min(3 * i, own - 1) tokens early (its later columns masked)."""
+    g = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device, dtype=dtype)
+
+    heads, dim, layers = config.num_kv_heads, config.head_dim, config.num_layers
+    return PrefixCache(
+        keys=[randn(rows, heads, own, dim) for _ in range(layers)],
+        values=[randn(rows, heads, own, dim) for _ in range(layers)],
+        offsets=torch.tensor([prompt + own - min(3 * i, own - 1) for i in range(rows)], device=device),
+        rope_deltas=torch.full((rows,), -2000, device=device),
+        shared_keys=[randn(1, heads, prompt, dim) for _ in range(layers)],
+        shared_values=[randn(1, heads, prompt, dim) for _ in range(layers)],
+    )
+
+
+def cast(cache: PrefixCache, dtype: torch.dtype) -> PrefixCache:
+    def to(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        return None if tensors is None else [t.to(dtype) for t in tensors]
+
+    return PrefixCache(
+        keys=to(cache.keys), values=to(cache.values), offsets=cache.offsets, rope_deltas=cache.rope_deltas,
+        valid=cache.valid, shared_keys=to(cache.shared_keys), shared_values=to(cache.shared_values),
+    )
+
+
+def relative_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    """||got - truth|| / ||truth|| over all elements."""
+    return ((got.float() - truth).norm() / truth.norm()).item()
+
+
+def one_step(sampler: ExpertSampler, cache: PrefixCache, noise: torch.Tensor) -> torch.Tensor:
+    return sampler.sample(cache, steps=1, init_noise=noise) - noise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny expert on the CPU, fp32 'fast' dtype")
+    parser.add_argument("--prompt", type=int, default=3100, help="shared prefix tokens")
+    parser.add_argument("--own", type=int, default=40, help="reasoning tokens per row")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    config = SMOKE if args.smoke else FULL
+    fast_dtype = torch.float32 if args.smoke else torch.bfloat16
+    prompt, own = (20, 6) if args.smoke else (args.prompt, args.own)
+    torch.manual_seed(0)
+    reference = ActionExpertModel(config).to(device).eval()
+    fast = copy.deepcopy(reference).to(fast_dtype)
+    on_gpu = device.type == "cuda"
+    report: dict = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "prompt": prompt, "own": own}
+    failed = []
+    with torch.inference_mode():
+        for rows in (1, args.rows):
+            cache32 = shared_cache(config, rows, prompt, own, device, torch.float32)
+            cache = cast(cache32, fast_dtype)
+            noise = torch.randn(rows, 64, 2, generator=torch.Generator(device=device).manual_seed(2), device=device)
+            t = torch.zeros(rows, device=device)
+            truth = reference.velocity(noise, t, cache32)
+            ref_error = (fast.velocity(noise, t, cache).float() - truth).abs().max().item()
+            samplers = {
+                "plain": ExpertSampler(fast, bucket=256 if on_gpu else 1, compile_layers=on_gpu),
+                "shared": ExpertSampler(fast, bucket=256 if on_gpu else 1, compile_layers=on_gpu),
+            }
+            inputs = {"plain": cache.materialized(), "shared": cache}
+            case: dict = {"reference_bf16_error": ref_error, "max_abs_v": truth.abs().max().item()}
+            ref_relative = relative_error(fast.velocity(noise, t, cache), truth)
+            case["reference_bf16_relative"] = ref_relative
+            for name, sampler in samplers.items():
+                velocity = one_step(sampler, inputs[name], noise)
+                error = (velocity.float() - truth).abs().max().item()
+                relative = relative_error(velocity, truth)
+                case[f"{name}_error"], case[f"{name}_relative"] = error, relative
+                if error > 2 * ref_error + 1e-3 or relative > 2 * ref_relative + 1e-3:
+                    failed.append(
+                        f"{rows} rows, {name}: max|dv| {error:.4f}, relative {relative:.4f} against the bf16"
+                        f" reference's {ref_error:.4f}, {ref_relative:.4f}"
+                    )
+                times = timed(lambda: sampler.sample(inputs[name], init_noise=noise), args.runs, device)
+                case[f"{name}_p50_ms"] = statistics.median(times)
+                case[f"{name}_p90_ms"] = sorted(times)[int(0.9 * (len(times) - 1))]
+                if on_gpu and rows > 1:
+                    print(f"# kernels of one {name} call, {rows} rows", flush=True)
+                    print(kernel_profile(lambda: sampler.sample(inputs[name], init_noise=noise)), flush=True)
+            report[f"rows_{rows}"] = case
+            print(f"{rows} rows: " + ", ".join(f"{k}={v:.4f}" for k, v in case.items()), flush=True)
+            del samplers, inputs, cache, cache32
+            if on_gpu:
+                torch.cuda.empty_cache()
+    report["failed"] = failed
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    if failed:
+        print("MISMATCH: " + "; ".join(failed), flush=True)
+        return 1
+    print("parity ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
