@@ -1,7 +1,7 @@
 """Soak (issue 12 acceptance 3): a real alpamayo_drive process on the tiny checkpoint, driven at
 10 Hz for 10 minutes. Its resident memory must stay flat after warm-up (least-squares slope of
-the per-minute lowest RSS below 0.5 MB/min over the last 8 minutes), and every Path must carry its input's t0 (a camera
-stamp the rig published), strictly increasing.
+the per-minute lowest RSS below 0.5 MB/min over the last 8 minutes), and every Path must carry
+its input's t0 (a camera stamp the rig published), strictly increasing.
 
 Robust on a loaded machine: the plan rate may drop, but the memory bound is per minute of
 running, and the stamps' order does not depend on speed.
