@@ -7,11 +7,7 @@ import base64
 import io
 import json
 import shutil
-import socket
 import struct
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +15,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from alpamayo_ros.core.types import NUM_HISTORY_POSES, DrivingInput
+from alpamayo_ros.core.types import DrivingInput
+from alpamayo_ros.serve.process import ServerProcess
 
 #: Vision pixel bounds of the small-frames checkpoint: a 64x96 frame is 6 LLM tokens.
 SMALL_PIXELS = (4096, 8192)
@@ -35,72 +32,17 @@ def small_frames_checkpoint(source: Path, target: Path) -> Path:
     return target
 
 
-def serve_command() -> list[str]:
-    """The installed console script when the package is installed with it, else `python -m`."""
-    script = Path(sys.executable).with_name("alpamayo-serve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "alpamayo_ros.serve"]
+def hf_server(checkpoint: Path, log_path: Path, *extra: str) -> ServerProcess:
+    """alpamayo-serve on the CPU with the HF backend (quiet logs), not yet started."""
+    args = ["--checkpoint", str(checkpoint), "--backend", "hf", "--device", "cpu", "--log-level", "warning", *extra]
+    return ServerProcess(args, log_path)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class ServerProcess:
-    """alpamayo-serve in a child process; stop() ends it (and only it)."""
-
-    def __init__(self, checkpoint: Path, log_path: Path, *extra: str, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [*serve_command(), "--checkpoint", str(checkpoint), "--backend", "hf", "--device", "cpu",
-                     "--port", str(self.port), "--log-level", "warning", *extra]
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-
-    def start(self, ready_timeout_s: float = 300.0) -> ServerProcess:
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + ready_timeout_s  # hang guard only
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited ({self.process.returncode}): {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready within {ready_timeout_s} s: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(30)
-
-    def kill(self) -> None:
-        """SIGKILL: the server gets no chance to close its connections."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(30)
-
-
-def png_data_url(image: np.ndarray) -> str:
+def png_data_url(image: np.ndarray, image_format: str = "PNG") -> str:
+    """uint8 RGB (H, W, 3) as a base64 data URL (PNG, or any format PIL writes)."""
     buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def straight_history(speed_mps: float = 8.0) -> tuple[np.ndarray, np.ndarray]:
-    xyz = np.zeros((NUM_HISTORY_POSES, 3), dtype=np.float32)
-    xyz[:, 0] = -speed_mps * 0.1 * np.arange(NUM_HISTORY_POSES - 1, -1, -1)
-    return xyz, np.tile(np.eye(3, dtype=np.float32), (NUM_HISTORY_POSES, 1, 1))
+    Image.fromarray(image).save(buffer, format=image_format)
+    return f"data:image/{image_format.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def chat_request_parts(inputs: DrivingInput) -> tuple[list[dict], list[dict]]:

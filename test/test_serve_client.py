@@ -11,10 +11,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 import pytest
-from serve_helpers import ServerProcess, SidecarClient, free_port, small_frames_checkpoint
+from serve_helpers import SidecarClient, hf_server, small_frames_checkpoint
 
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import DrivingInput, SamplingSettings
+from alpamayo_ros.serve.process import ServerProcess, free_port
 from alpamayo_ros.serve.client import RemotePlanner, RemoteRejected, RemoteTimeout, RemoteUnavailable
 
 API_KEY = "client-key"
@@ -30,7 +31,7 @@ def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve_client_log") / "server.log"
-    process = ServerProcess(checkpoint, log, "--api-key", API_KEY, "--sidecar-settings", SIDECAR_SETTINGS).start()
+    process = hf_server(checkpoint, log, "--api-key", API_KEY, "--sidecar-settings", SIDECAR_SETTINGS).start()
     yield process
     process.stop()
 

@@ -5,7 +5,6 @@ requests get a 4xx naming the field and change nothing, the operational routes w
 from __future__ import annotations
 
 import base64
-import io
 import json
 from pathlib import Path
 from typing import Callable, Iterator
@@ -15,11 +14,11 @@ import msgspec
 import numpy as np
 import openai
 import pytest
-from PIL import Image
-from serve_helpers import ServerProcess, SidecarClient, chat_request_parts, small_frames_checkpoint, straight_history
+from serve_helpers import SidecarClient, chat_request_parts, hf_server, png_data_url, small_frames_checkpoint
 
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import DrivingInput, SamplingSettings
+from alpamayo_ros.serve.process import ServerProcess
 from alpamayo_ros.serve import wire
 
 API_KEY = "test-key-1234"
@@ -35,7 +34,7 @@ def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("serve_openai_log") / "server.log"
-    process = ServerProcess(checkpoint, log, "--api-key", API_KEY, "--max-body-mb", str(MAX_BODY_MB)).start()
+    process = hf_server(checkpoint, log, "--api-key", API_KEY, "--max-body-mb", str(MAX_BODY_MB)).start()
     yield process
     process.stop()
 
@@ -103,9 +102,7 @@ def test_openai_client_gets_the_pipelines_trajectories(client: openai.OpenAI, pi
 def test_openai_client_jpeg_images_plan_too(client: openai.OpenAI, inputs: DrivingInput) -> None:
     parts, _ = chat_request_parts(inputs)
     for part, image in zip(parts, inputs.images.reshape(-1, *inputs.images.shape[2:])):
-        buffer = io.BytesIO()
-        Image.fromarray(image).save(buffer, format="JPEG", quality=90)
-        part["image_url"]["url"] = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+        part["image_url"]["url"] = png_data_url(image, "JPEG")
     completion = client.chat.completions.create(model="alpamayo-1.5", messages=[{"role": "user", "content": parts}],
                                                 n=1, seed=1, extra_body=trajectory_body(inputs))
     xyz = np.array(completion.trajectory["pred_xyz"])
@@ -140,12 +137,6 @@ def test_models_health_metrics_and_schema(client: openai.OpenAI, server: ServerP
     assert {"output_modality", "image_meta", "ego_history", "route", "flow_steps", "cfg_weight"} <= set(request_schema)
 
 
-def _png(array: np.ndarray, fmt: str = "PNG") -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 def _set(path: str, value: object) -> Callable[[dict], None]:
     def mutate(body: dict) -> None:
         *parents, last = path.split(".")
@@ -168,9 +159,9 @@ MALFORMED_JSON = [
     ("image_meta count", lambda b: b["image_meta"].pop(), 400, "image_meta"),
     ("bad base64", _set(IMAGE0, "data:image/png;base64,@@not-base64@@"), 400, "messages.image_url[0]"),
     ("not an image", _set(IMAGE0, "data:image/png;base64," + base64.b64encode(b"plain text").decode()), 400, "messages.image_url[0]"),
-    ("gif image", _set(IMAGE0, _png(np.zeros((64, 96, 3), np.uint8), "GIF")), 400, "messages.image_url[0]"),
+    ("gif image", _set(IMAGE0, png_data_url(np.zeros((64, 96, 3), np.uint8), "GIF")), 400, "messages.image_url[0]"),
     ("not a data url", _set(IMAGE0, "https://example.com/a.png"), 400, "messages.image_url[0]"),
-    ("mixed image sizes", _set(IMAGE0, _png(np.zeros((32, 48, 3), np.uint8))), 400, "messages"),
+    ("mixed image sizes", _set(IMAGE0, png_data_url(np.zeros((32, 48, 3), np.uint8))), 400, "messages"),
     ("unknown camera", _set("image_meta.0.camera_index", 9), 400, "image_meta.camera_index"),
     ("uneven frames per camera", _set("image_meta.0.camera_index", 1), 400, "image_meta"),
     ("nan history", _set("ego_history.xyz.3.0", float("nan")), 400, "ego_history.xyz"),
@@ -225,7 +216,7 @@ def test_malformed_requests_get_a_4xx_naming_the_field_and_change_nothing(
         check("broken json", http.post(url + "/v1/chat/completions", content=valid[:-7], headers={**auth, "content-type": "application/json"}), 422, "body")
         big = np.random.default_rng(0).integers(0, 256, (700, 700, 3), dtype=np.uint8)  # ~1.4 MB as PNG
         oversize = request_json(inputs)
-        oversize["messages"][0]["content"][0]["image_url"]["url"] = _png(big)
+        oversize["messages"][0]["content"][0]["image_url"]["url"] = png_data_url(big)
         check("oversize body", http.post(url + "/v1/chat/completions", content=json.dumps(oversize), headers={**auth, "content-type": "application/json"}), 413, "body")
         binary = {**auth, "content-type": wire.CONTENT_TYPE}
         check("binary: not msgpack", http.post(url + "/v1/plan", content=b"\xc1garbage", headers=binary), 400, "body")

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from ..core.types import SamplingSettings
 from . import chat, sidecar, wire
 from .metrics import ServerMetrics
-from .requests import Limits, RequestError, checked_route, checked_settings, driving_input
+from .requests import Limits, RequestError, checked_settings, driving_input
 from .worker import PipelineWorker, QueueFull
 
 logger = logging.getLogger(__name__)

@@ -49,14 +49,16 @@ class RemoteTimeout(RemoteError):
 
 
 class RemoteRejected(RemoteError):
-    """The server answered with an error status; status and the server's message are kept."""
+    """The server answered with an error status; status and the server's message are kept, and
+    for a busy server (503) the seconds it asked the caller to wait (Retry-After)."""
 
     reason = "remote_rejected"
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class RemotePlanner:
@@ -159,7 +161,9 @@ class RemotePlanner:
             self._fail_connection()
             raise RemoteUnavailable(f"{self.url}: {_message(response)}")
         if response.status_code >= 400:
-            raise RemoteRejected(response.status_code, _message(response))
+            retry_after = response.headers.get("retry-after", "")
+            raise RemoteRejected(response.status_code, _message(response),
+                                 float(retry_after) if retry_after.isdigit() else None)
         self._backoff_s = self._backoff_initial_s
         self._retry_at = 0.0
         return response
