@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     options = {}
     if args.backend == "vllm":
-        options = {"gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_gib": args.kv_cache_gib,
-                   "max_model_len": args.max_model_len}
+        options = {"kv_cache_gib": args.kv_cache_gib, "max_model_len": args.max_model_len}
+        if args.device.startswith("cuda"):  # vLLM's CPU engine sizes memory by kv_cache_gib alone
+            options["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.enforce_eager:
             options["enforce_eager"] = True
 
