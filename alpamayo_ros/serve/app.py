@@ -118,11 +118,14 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
             raise Refused(401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)",
                           "Authorization", {"WWW-Authenticate": "Bearer"})
 
-    async def run(job: Callable[[Any], Any]) -> Any:
-        """Queue job(pipeline) and wait for it; 503 while loading or when the queue is full."""
+    def ensure_ready() -> None:
         if not worker.ready.is_set():
             state = "failed to load" if worker.failed else "still loading and warming up"
             raise Refused(503, "not_ready", f"the pipeline is {state}", headers={"Retry-After": str(RETRY_AFTER_S * 5)})
+
+    async def run(job: Callable[[Any], Any]) -> Any:
+        """Queue job(pipeline) and wait for it; 503 while loading or when the queue is full."""
+        ensure_ready()
         try:
             future = worker.submit(job)
         except QueueFull as full:
@@ -174,7 +177,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
     @app.get("/v1/plan/info", dependencies=guarded,
              summary="What a binary-endpoint client needs: the frame geometry the pipeline resizes to")
     async def plan_info() -> dict:
-        await run(lambda pipeline: None)  # 503 until ready, like every planning route
+        ensure_ready()
         return {"model": options.model_name, "backend": worker.pipeline.backbone.name,
                 "vision": dataclasses.asdict(worker.pipeline.config.vision)}
 

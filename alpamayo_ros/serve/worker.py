@@ -43,8 +43,14 @@ class PipelineWorker:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the running job, drop nothing already queued, then end the thread."""
-        self._jobs.put(None)
+        """Finish the jobs already queued, then end the thread (and close the pipeline)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._jobs.put(None, timeout=timeout_s)
+        except queue.Full:
+            logger.warning("pipeline thread still busy after %.0f s; not waiting for it", timeout_s)
+            return
         self._thread.join(timeout_s)
 
     @property
