@@ -84,7 +84,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
     async def refused(request: Request, refusal: Refused) -> Response:
         if request.url.path == "/predict":  # the sidecar client reads wire messages
             metrics.rejections.labels(refusal.reason).inc()
-            return Response(sidecar.error_reply(f"{refusal.param or 'request'}: {refusal.message}"),
+            return Response(sidecar.error_reply(refusal.message),
                             status_code=refusal.status, media_type=sidecar.CONTENT_TYPE, headers=refusal.headers)
         return error(refusal.status, refusal.reason, refusal.message, refusal.param, refusal.headers)
 
@@ -98,6 +98,11 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         # a JSON syntax error's loc is ("body", character offset): name the body
         param = "body" if first["type"] == "json_invalid" else ".".join(str(p) for p in first["loc"][1:]) or "body"
         return error(422, "invalid_request", f"{param}: {first['msg']}", param)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, failure: Exception) -> Response:
+        logger.exception("%s failed", request.url.path, exc_info=failure)
+        return error(500, "internal_error", f"planning failed: {type(failure).__name__}: {failure}")
 
     @app.middleware("http")
     async def observe(request: Request, call_next: Callable) -> Response:
