@@ -266,7 +266,7 @@ def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
     from alpamayo_ros.core.backbone_vllm import EngineOptions
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineOptions(tensor_parallel_size=2)
+        EngineOptions(tensor_parallel_size=0)
 
 def test_model_folder_links_weights_and_builds_a_missing_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """vLLM's model folder never copies weights; a checkpoint without tokenizer files gets

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import re
 import shutil
@@ -480,11 +481,16 @@ class CaptureSink:
 _SINKS: dict[str, CaptureSink] = {}
 
 
-def open_sink() -> CaptureSink:
-    """A new sink, findable by the connector instances the engine will construct."""
-    sink = CaptureSink()
+def open_sink(sink: CaptureSink | None = None) -> CaptureSink:
+    """A new sink (or this one), findable by the connector instances the engine will construct."""
+    sink = CaptureSink() if sink is None else sink
     _SINKS[sink.key] = sink
     return sink
+
+
+def find_sink(key: str) -> CaptureSink:
+    """The sink open_sink registered under key in this process (vllm_tp's worker calls)."""
+    return _SINKS[key]
 
 
 def close_sink(sink: CaptureSink) -> None:
@@ -688,8 +694,13 @@ def _mask_spec(params: SamplingParams) -> MaskSpec | None:
 # ----------------------------------------------------------------------------------------
 
 
-def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
-    """One in-process vLLM engine with the capture connector (options: EngineOptions)."""
+def create_engine(
+    model_dir: Path, sink: CaptureSink, options: Any, engine_args: Mapping[str, Any] | None = None
+) -> LLM:
+    """One in-process vLLM engine with the capture connector (options: EngineOptions).
+
+    engine_args: further vllm.LLM arguments (tensor parallel: vllm_tp.WorkerCaptureSink's).
+    """
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be '0': the K/V capture reads the engine in-process")
     register_architecture()
@@ -720,6 +731,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         logits_processors=None if options.mask_in_model else [f"{__name__}:{TokenMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
         **extra,
+        **(engine_args or {}),
     )
 
 
@@ -834,7 +846,8 @@ def run_requests(
 
 
 def _set_token_mask(llm: LLM, spec: MaskSpec | None) -> None:
-    llm.llm_engine.apply_model(lambda model: model.set_token_mask(spec))
+    # a methodcaller, not a lambda: with tensor parallel it is pickled to the workers
+    llm.llm_engine.apply_model(operator.methodcaller("set_token_mask", spec))
 
 
 def engine_token_mask(llm: LLM) -> MaskSpec | None:
