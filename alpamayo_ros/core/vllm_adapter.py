@@ -444,6 +444,11 @@ class CaptureSink:
             "kv_connector_extra_config": {_SINK_KEY: self.key},
         }
 
+    def take(self, request_id: str, token_ids: list[int], block_ids: list[int], num_tokens: int) -> CapturedKV:
+        """A finished request's K/V, read now: its blocks are freed right after."""
+        keys, values = self.read(block_ids, num_tokens)
+        return CapturedKV(token_ids, keys, values)
+
     def read(self, block_ids: list[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer K/V of the first num_tokens positions held by these scheduler blocks."""
         if not self.caches:
@@ -580,8 +585,7 @@ class CaptureKVConnector(KVConnectorBase_V1):
             if request.num_computed_tokens < num_fed:
                 computed = request.num_computed_tokens
                 raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
-            keys, values = self._sink.read(list(block_ids), num_fed)
-            self._sink.captured[req_id] = CapturedKV(token_ids, keys, values)
+            self._sink.captured[req_id] = self._sink.take(req_id, token_ids, list(block_ids), num_fed)
         return False, None
 
 

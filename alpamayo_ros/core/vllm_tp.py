@@ -34,7 +34,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from . import vllm_adapter
 from .backbone import PrefixCache, PromptInputs
@@ -126,6 +126,14 @@ class WorkerCaptureSink(vllm_adapter.CaptureSink):
     def transfer_config(self) -> dict[str, Any]:
         return {**super().transfer_config(), "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": __name__}
 
+    def take(self, request_id: str, token_ids: list[int], block_ids: list[int], num_tokens: int) -> ShardKV:
+        """Have every worker copy its shard of a finished request's K/V; a handle to them.
+
+        NOTE: the blocks are freed when the connector returns, but reused only by a later
+        schedule, and the workers run this copy before any step scheduled after it.
+        """
+        self.copy_to_workers(request_id, block_ids, num_tokens)
+        return ShardKV(token_ids, [], [], request_id=request_id, num_tokens=num_tokens)
 
 
 def engine_args() -> dict[str, Any]:
@@ -140,8 +148,8 @@ class ShardCaptureKVConnector(vllm_adapter.CaptureKVConnector):
     sink of its own process, as the single-process connector does. A cache layout the reader
     does not know is kept as `layout_error` rather than raised, so the caller can refuse the
     engine with a message naming PARAMETER (ExpertWorker.alpamayo_layout_error).
-    Scheduler side (the caller's process): asks the workers to copy a wanted request's K/V
-    when it finishes, while its blocks are still unused.
+    Scheduler side (the caller's process): the single-process connector's, whose sink
+    (WorkerCaptureSink.take) has the workers copy a finished request's K/V.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -155,21 +163,6 @@ class ShardCaptureKVConnector(vllm_adapter.CaptureKVConnector):
             super().register_kv_caches(kv_caches)
         except ValueError as error:
             self._sink.layout_error = str(error)  # read by ExpertWorker.alpamayo_layout_error
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        if req_id in self._sink.wanted:
-            self._sink.wanted.discard(req_id)
-            token_ids = list(request.all_token_ids)
-            num_fed = len(token_ids) - 1  # the last sampled token was never fed back
-            if request.num_computed_tokens < num_fed:
-                computed = request.num_computed_tokens
-                raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
-            # NOTE: the blocks are freed when this returns, but reused only by a later
-            # schedule; the workers run this copy before any step scheduled after it.
-            self._sink.copy_to_workers(req_id, list(block_ids), num_fed)
-            self._sink.captured[req_id] = ShardKV(token_ids, [], [], request_id=req_id, num_tokens=num_fed)
-        return False, None
 
 
 # ----------------------------------------------------------------------------------------
