@@ -225,7 +225,8 @@ class WorkerExpert:
         for row, (capture, length) in enumerate(zip(captured, lengths)):
             if capture.num_tokens < length:
                 raise RuntimeError(f"row {row}: vLLM holds K/V of {capture.num_tokens} tokens, need {length}")
-        offsets = [prompt_len + (row.index(stop_id) + 1 if stop_id in row else len(row)) for row in map(list, generated)]
+        rows = [list(row) for row in generated]
+        offsets = [prompt_len + (row.index(stop_id) + 1 if stop_id in row else len(row)) for row in rows]
         return WorkerPrefixCache(
             keys=[],
             values=[],
