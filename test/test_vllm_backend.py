@@ -272,7 +272,7 @@ def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
     from alpamayo_ros.core.backbone_vllm import EngineOptions
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineOptions(tensor_parallel_size=2)
+        EngineOptions(tensor_parallel_size=0)
     # a shared-prompt batch whose rows differ in more than their seed is refused before any is added
     (request,) = backbone._requests(prompt, [()])
     rows = [vllm_adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=n, seed=n) for n in (4, 5)]

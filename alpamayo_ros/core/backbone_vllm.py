@@ -58,13 +58,7 @@ class EngineOptions:
     mask_in_model: bool = True
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            # NOTE: with TP > 1 the workers are other processes, and each holds only its
-            # shard of the K/V heads: the in-process capture cannot reach them.
-            raise ValueError(
-                f"tensor_parallel_size: only 1 is supported (in-process K/V capture), got {self.tensor_parallel_size}"
-            )
-        for name in ("max_model_len", "max_num_seqs", "max_images"):
+        for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -118,9 +112,24 @@ class VLLMBackbone:
             options.cache_dir,
         )
         self.model_dir = model_dir  # the small HF-style folder the engine loads from
-        self._sink = vllm_adapter.open_sink()
-        self._llm = vllm_adapter.create_engine(model_dir, self._sink, options)
+        # -- tensor parallel (core/vllm_tp.py): the expert runs in vLLM's workers --------
+        tp = None
+        if options.tensor_parallel_size > 1:
+            from . import vllm_tp as tp
+
+            tp.check_tensor_parallel(config, options.tensor_parallel_size, cuda=torch.cuda.is_available())
+        self._sink = vllm_adapter.open_sink(tp.WorkerCaptureSink() if tp else None)
+        self._llm = vllm_adapter.create_engine(model_dir, self._sink, options, tp.engine_args() if tp else None)
         _open_backbone = weakref.ref(self)
+        #: None, or what the pipeline samples actions with instead of its own expert
+        self.expert_sampler = None
+        if tp:
+            try:
+                self.expert_sampler = tp.WorkerExpert(self._llm, self._sink, config)
+            except BaseException:
+                self.close()
+                raise
+        # -- end tensor parallel ----------------------------------------------------------
         self.options = options
 
     def close(self) -> None:
@@ -184,7 +193,7 @@ class VLLMBackbone:
         lengths = [prompt_len + len(row) - 1 for row in sampled]
         start = time.perf_counter()
         prefix = self._prefix_cache(prompt, captured, lengths, generated)
-        if prefix.keys[0].is_cuda:
+        if prefix.keys and prefix.keys[0].is_cuda:  # tensor parallel: the workers hold the K/V
             torch.cuda.synchronize(prefix.keys[0].device)
         timings["kv_handoff"] = (time.perf_counter() - start) * 1e3
         return Rollout(generated_ids=generated, cache=prefix, timings_ms=timings)
@@ -262,7 +271,8 @@ class VLLMBackbone:
             timings=timings,
             model_mask=mask if in_model else None,
             stop=self.stop,
-            shared_prompt=num_samples > 1,
+            # the workers' K/V copy (vllm_tp) reads whole rows: samples share a prompt only in-process
+            shared_prompt=num_samples > 1 and self.expert_sampler is None,
         )
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
         return results
@@ -322,6 +332,8 @@ class VLLMBackbone:
         <|traj_future_start|>, else prompt + the row's length (upstream: last index + 1),
         as in the HF backend.
         """
+        if self.expert_sampler is not None:  # tensor parallel: the workers hold the K/V
+            return self.expert_sampler.prefix_cache(prompt, captured, lengths, generated, self._ids.traj_future_start)
         prompt_len = int(prompt.input_ids.shape[0])
         shared = prompt_len if any(capture.start for capture in captured) else 0
         for row, (capture, length) in enumerate(zip(captured, lengths)):

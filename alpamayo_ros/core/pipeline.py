@@ -80,7 +80,8 @@ class Pipeline:
         # GPU: padded length buckets so one captured CUDA graph (and compile) serves many
         # plans; CPU: exact lengths, eager.
         on_gpu = device.type == "cuda"
-        self.expert_sampler = flow_matching.ExpertSampler(
+        # a backbone may run the expert itself (vLLM tensor parallel: in its workers)
+        self.expert_sampler = getattr(backbone, "expert_sampler", None) or flow_matching.ExpertSampler(
             expert, bucket=256 if on_gpu else 1, compile_layers=on_gpu
         )
         # Cooperative stop (shutdown): checked between decode steps, flow steps and stages.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import operator
 import os
 import re
 import shutil
@@ -449,6 +450,13 @@ class CaptureSink:
             "kv_connector_extra_config": {_SINK_KEY: self.key},
         }
 
+    def take(self, request_id: str, token_ids: list[int], block_ids: list[int], num_tokens: int) -> CapturedKV:
+        """A finished request's K/V, read now: its blocks are freed right after. A shared-prompt
+        row is read from where its prompt ends (skip), the prompt itself once, from the first row."""
+        start = self.skip.pop(request_id, 0)
+        keys, values = self.read(block_ids, num_tokens, start)
+        return CapturedKV(token_ids, keys, values, start)
+
     def read(
         self, block_ids: list[int], num_tokens: int, start: int = 0
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -491,11 +499,16 @@ class CaptureSink:
 _SINKS: dict[str, CaptureSink] = {}
 
 
-def open_sink() -> CaptureSink:
-    """A new sink, findable by the connector instances the engine will construct."""
-    sink = CaptureSink()
+def open_sink(sink: CaptureSink | None = None) -> CaptureSink:
+    """A new sink (or this one), findable by the connector instances the engine will construct."""
+    sink = CaptureSink() if sink is None else sink
     _SINKS[sink.key] = sink
     return sink
+
+
+def find_sink(key: str) -> CaptureSink:
+    """The sink open_sink registered under key in this process (vllm_tp's worker calls)."""
+    return _SINKS[key]
 
 
 def close_sink(sink: CaptureSink) -> None:
@@ -585,9 +598,7 @@ class CaptureKVConnector(KVConnectorBase_V1):
             if request.num_computed_tokens < num_fed:
                 computed = request.num_computed_tokens
                 raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
-            start = self._sink.skip.pop(req_id, 0)
-            keys, values = self._sink.read(list(block_ids), num_fed, start)
-            self._sink.captured[req_id] = CapturedKV(token_ids, keys, values, start)
+            self._sink.captured[req_id] = self._sink.take(req_id, token_ids, list(block_ids), num_fed)
         return False, None
 
 
@@ -700,8 +711,13 @@ def _mask_spec(params: SamplingParams) -> MaskSpec | None:
 # ----------------------------------------------------------------------------------------
 
 
-def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
-    """One in-process vLLM engine with the capture connector (options: EngineOptions)."""
+def create_engine(
+    model_dir: Path, sink: CaptureSink, options: Any, engine_args: Mapping[str, Any] | None = None
+) -> LLM:
+    """One in-process vLLM engine with the capture connector (options: EngineOptions).
+
+    engine_args: further vllm.LLM arguments (tensor parallel: vllm_tp.WorkerCaptureSink's).
+    """
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be '0': the K/V capture reads the engine in-process")
     register_architecture()
@@ -732,6 +748,7 @@ def create_engine(model_dir: Path, sink: CaptureSink, options: Any) -> LLM:
         logits_processors=None if options.mask_in_model else [f"{__name__}:{TokenMask.__name__}"],
         kv_transfer_config=sink.transfer_config(),
         **extra,
+        **(engine_args or {}),
     )
 
 
@@ -906,7 +923,8 @@ def _samples_of_one_prompt(
 
 
 def _set_token_mask(llm: LLM, spec: MaskSpec | None) -> None:
-    llm.llm_engine.apply_model(lambda model: model.set_token_mask(spec))
+    # a methodcaller, not a lambda: with tensor parallel it is pickled to the workers
+    llm.llm_engine.apply_model(operator.methodcaller("set_token_mask", spec))
 
 
 def engine_token_mask(llm: LLM) -> MaskSpec | None:
