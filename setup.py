@@ -32,6 +32,7 @@ setup(
             "alpamayo-demo = alpamayo_ros.eval.demo:main",
             "alpamayo-convert-pai = alpamayo_ros.eval.physical_ai_av:main",
             "alpamayo-make-checkpoint = alpamayo_ros.core.tiny_checkpoint:main",
+            "alpamayo-serve = alpamayo_ros.serve.cli:main",
         ],
     },
 )

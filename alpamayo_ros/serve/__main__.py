@@ -1,0 +1,7 @@
+"""`python -m alpamayo_ros.serve` = `alpamayo-serve`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,283 @@
+"""The HTTP application: routes of the three front doors over one PipelineWorker.
+
+Security defaults live here too: an optional bearer key (every route but /health and the
+schema), a body-size limit before anything is parsed, and one JSON error shape for every refusal
+({"error": {"message", "type", "param", "code"}}, OpenAI's), with the offending field in param.
+Requests are parsed and validated in the thread pool (image decoding is not free), then queued
+for the pipeline thread; nothing reaches the pipeline before it is valid as a whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from ..core.types import SamplingSettings
+from . import chat, sidecar, wire
+from .metrics import ServerMetrics
+from .requests import Limits, RequestError, checked_settings, driving_input
+from .worker import PipelineWorker, QueueFull
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # 16 resized frames are ~9 MB; 16 full-size PNGs ~70 MB
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """model_name: the id of /v1/models, required in chat requests. queue_size: requests
+    waiting for the pipeline before 503. default_settings: sampling of sidecar requests,
+    which carry none."""
+
+    model_name: str = "alpamayo-1.5"
+    api_key: str | None = None
+    queue_size: int = 4
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: Limits = field(default_factory=Limits)
+    default_settings: SamplingSettings = field(default_factory=SamplingSettings)
+
+
+class Refused(Exception):
+    """A request answered with an error; reason labels the rejection metric."""
+
+    def __init__(self, status: int, reason: str, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.param = status, reason, message, param
+        self.headers = headers or {}
+
+
+def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
+    """The FastAPI app; it starts the worker (loading the pipeline) on startup, stops it on shutdown."""
+    metrics = ServerMetrics(lambda: worker.depth)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="alpamayo-serve", version="0.1.0", lifespan=lifespan,
+                  description="Alpamayo 1.5 trajectories and answers over HTTP (one Pipeline).")
+    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, metrics=metrics)
+
+    def error(status: int, reason: str, message: str, param: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.rejections.labels(reason).inc()
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"error": {"message": message, "type": kind, "param": param, "code": reason}}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, refusal: Refused) -> Response:
+        if request.url.path == "/predict":  # the sidecar client reads wire messages
+            metrics.rejections.labels(refusal.reason).inc()
+            return Response(sidecar.error_reply(refusal.message),
+                            status_code=refusal.status, media_type=sidecar.CONTENT_TYPE, headers=refusal.headers)
+        return error(refusal.status, refusal.reason, refusal.message, refusal.param, refusal.headers)
+
+    @app.exception_handler(RequestError)
+    async def invalid(request: Request, failure: RequestError) -> Response:
+        return await refused(request, Refused(failure.status, "invalid_request", f"{failure.field}: {failure.message}", failure.field))
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, failure: RequestValidationError) -> Response:
+        first = failure.errors()[0]
+        # a JSON syntax error's loc is ("body", character offset): name the body
+        param = "body" if first["type"] == "json_invalid" else ".".join(str(p) for p in first["loc"][1:]) or "body"
+        return error(422, "invalid_request", f"{param}: {first['msg']}", param)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, failure: Exception) -> Response:
+        logger.exception("%s failed", request.url.path, exc_info=failure)
+        return error(500, "internal_error", f"planning failed: {type(failure).__name__}: {failure}")
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next: Callable) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        endpoint = request.scope.get("route").path if request.scope.get("route") else "unmatched"
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if response.status_code < 400:
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        return response
+
+    async def authorized(request: Request) -> None:
+        if options.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), options.api_key.encode()):
+            raise Refused(401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)",
+                          "Authorization", {"WWW-Authenticate": "Bearer"})
+
+    def ensure_ready() -> None:
+        if not worker.ready.is_set():
+            state = "failed to load" if worker.failed else "still loading and warming up"
+            raise Refused(503, "not_ready", f"the pipeline is {state}", headers={"Retry-After": str(RETRY_AFTER_S * 5)})
+
+    async def run(job: Callable[[Any], Any]) -> Any:
+        """Queue job(pipeline) and wait for it; 503 while loading or when the queue is full."""
+        ensure_ready()
+        try:
+            future = worker.submit(job)
+        except QueueFull as full:
+            raise Refused(503, "queue_full", f"server busy: {full}", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            return await future
+        except ValueError as failure:  # the pipeline refused an input the checks let through
+            field_name = str(failure).split(":", 1)[0]
+            raise Refused(400, "invalid_request", str(failure), field_name) from failure
+
+    guarded = [Depends(authorized)]
+
+    @app.get("/health", summary="200 once the pipeline is loaded and warmed up, else 503")
+    async def health() -> JSONResponse:
+        if worker.ready.is_set():
+            return JSONResponse({"status": "ready", "model": options.model_name, "backend": worker.pipeline.backbone.name})
+        if worker.failed is not None:
+            return JSONResponse({"status": "failed", "error": str(worker.failed)}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics", dependencies=guarded, summary="Prometheus text format")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": options.model_name, "object": "model", "created": 0, "owned_by": "alpamayo_ros"}]}
+
+    @app.post("/v1/chat/completions", dependencies=guarded, response_model=chat.ChatCompletion,
+              response_model_exclude_none=True)
+    async def chat_completions(body: chat.ChatCompletionRequest) -> chat.ChatCompletion:
+        if body.model != options.model_name:
+            raise Refused(404, "model_not_found", f"model {body.model!r} is not served (serving {options.model_name!r})", "model")
+        trajectory = body.output_modality == "trajectory"
+
+        def parse() -> tuple:
+            settings = chat.sampling_settings(body, options.limits)
+            inputs = chat.chat_driving_input(body, options.limits, require_history=trajectory)
+            return inputs, settings, (None if trajectory else chat.question(body)), chat.answer_length(body, options.limits)
+
+        inputs, settings, question, length = await run_in_threadpool(parse)
+        if trajectory:
+            plan = await run(lambda pipeline: pipeline.plan(inputs, settings))
+            return chat.trajectory_completion(plan, options.model_name)
+        replies = await run(lambda pipeline: pipeline.generate_text(inputs, question, settings, max_new_tokens=length))
+        return chat.text_completion(replies, length, options.model_name)
+
+    @app.get("/v1/plan/info", dependencies=guarded,
+             summary="What a binary-endpoint client needs: the frame geometry the pipeline resizes to")
+    async def plan_info() -> dict:
+        ensure_ready()
+        return {"model": options.model_name, "backend": worker.pipeline.backbone.name,
+                "vision": dataclasses.asdict(worker.pipeline.config.vision)}
+
+    @app.post("/v1/plan", dependencies=guarded, response_class=Response,
+              summary="Binary planning (msgpack, see alpamayo_ros/serve/wire.py): frames already resized")
+    async def plan_binary(request: Request) -> Response:
+        if request.headers.get("content-type", "").split(";")[0].strip() != wire.CONTENT_TYPE:
+            raise Refused(415, "invalid_request", f"content-type must be {wire.CONTENT_TYPE}", "content-type")
+        body = await request.body()
+        inputs, settings = await run_in_threadpool(_binary_request, body, options.limits)
+        reply = await run(lambda pipeline: wire.encode_reply(pipeline.plan(inputs, settings)))
+        return Response(reply, media_type=wire.CONTENT_TYPE)
+
+    @app.post("/predict", dependencies=guarded, response_class=Response,
+              summary="FlashDrive sidecar protocol (Autoware's Alpamayo node)")
+    async def sidecar_predict(request: Request) -> Response:
+        start = time.perf_counter()
+        body = await request.body()
+        now_ns = time.time_ns()
+
+        def parse() -> Any:
+            meta, arrays = sidecar.decode_predict(body)
+            return sidecar.predict_input(meta, arrays, options.limits, now_ns)
+
+        inputs = await run_in_threadpool(parse)
+        plan = await run(lambda pipeline: pipeline.plan(inputs, options.default_settings))
+        return Response(sidecar.predict_reply(plan, time.perf_counter() - start), media_type=sidecar.CONTENT_TYPE)
+
+    @app.post("/reset", dependencies=guarded, response_class=Response,
+              summary="FlashDrive sidecar protocol: nothing streams across requests here, so a no-op")
+    async def sidecar_reset() -> Response:
+        return Response(sidecar.encode({"status": "ok"}, {}), media_type=sidecar.CONTENT_TYPE)
+
+    return app
+
+
+def _binary_request(body: bytes, limits: Limits) -> tuple:
+    """Decode and validate a binary plan request into (DrivingInput, SamplingSettings)."""
+    try:
+        request = wire.decode_request(body)
+        arrays = {
+            "images": wire.unpack_array("images", request.images, np.uint8, 5),
+            "frame_stamps_ns": wire.unpack_array("frame_stamps_ns", request.frame_stamps_ns, np.int64, 2),
+            "ego_history_xyz": wire.unpack_array("ego_history_xyz", request.ego_history_xyz, np.float32, 2),
+            "ego_history_rot": wire.unpack_array("ego_history_rot", request.ego_history_rot, np.float32, 3),
+        }
+    except wire.WireError as failure:
+        raise RequestError(failure.field, str(failure).split(": ", 1)[-1]) from failure
+    settings = checked_settings(SamplingSettings(**{name: getattr(request.settings, name)
+                                                    for name in wire.Settings.__struct_fields__}), limits)
+    inputs = driving_input(camera_indices=tuple(request.camera_indices), t0_ns=request.t0_ns,
+                           route_text=request.route_text, limits=limits, **arrays)
+    return inputs, settings
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over max_bytes with 413 before any route reads them
+    (by Content-Length, or by counting a chunked body while buffering it)."""
+
+    def __init__(self, app: Any, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        self.metrics.rejections.labels("body_too_large").inc()
+        message = f"request body over the limit of {self.max_bytes} bytes"
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": "body", "code": "body_too_large"}}
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)

@@ -1,0 +1,165 @@
+"""Remote planning overhead: bench_pipeline's workloads through alpamayo-serve's binary endpoint
+(RemotePlanner, loopback) against the same Pipeline.plan in-process, in one run.
+
+The server runs as a child process (as in deployment) with the same checkpoint, backend, device
+and settings; it plans first, then is stopped, then this process loads the pipeline and plans the
+same input stream (one model on the device at a time). Reported per plan: wall time both ways,
+the remote overhead (remote wall - in-process wall, p50) and its direct form (client wall - the
+server's own `total`: resizing, msgpack, HTTP, queueing), and the remote/in-process ratio.
+
+    python bench/bench_serve.py --smoke
+    python bench/bench_serve.py --workload W16 --backend vllm --runs 50 --full-size-dir /tmp/ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_pipeline import WORKLOADS, Workload, percentiles, synthetic_inputs
+
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
+from alpamayo_ros.core.types import SamplingSettings
+from alpamayo_ros.serve.client import RemotePlanner
+from alpamayo_ros.serve.process import ServerProcess
+
+logger = logging.getLogger("bench_serve")
+
+
+def workload_settings(workload: Workload) -> SamplingSettings:
+    """bench_pipeline's per-plan settings: greedy, exactly the workload's reasoning length."""
+    return SamplingSettings(num_samples=1, temperature=0.0, max_reasoning_tokens=workload.reasoning_tokens,
+                            min_reasoning_tokens=workload.reasoning_tokens, flow_steps=10)
+
+
+def timed_plans(plan, workload: Workload, runs: int, warmup: int) -> dict[str, list[float]]:
+    """Wall ms per plan (and the pipeline's own `total`) over the streamed synthetic inputs."""
+    settings = workload_settings(workload)
+    stream = synthetic_inputs(workload, seed=0)
+    times: dict[str, list[float]] = {"wall": [], "total": [], "overhead": []}
+    for index in range(warmup + runs):
+        inputs = next(stream)
+        start = time.perf_counter()
+        result = plan(inputs, settings)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        if index >= warmup:
+            times["wall"].append(wall_ms)
+            times["total"].append(result.timings_ms["total"])
+            times["overhead"].append(wall_ms - result.timings_ms["total"])
+    return times
+
+
+def engine_options(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """vLLM options for the in-process pipeline and the same as alpamayo-serve arguments."""
+    if args.backend != "vllm":
+        return {}, []
+    on_gpu = args.device.startswith("cuda")
+    options = {"kv_cache_gib": args.kv_cache_gib if on_gpu else 1.0, "max_model_len": args.max_model_len}
+    flags = ["--kv-cache-gib", str(options["kv_cache_gib"]), "--max-model-len", str(args.max_model_len)]
+    if on_gpu:
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+        flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    else:
+        options["enforce_eager"] = True
+        flags.append("--enforce-eager")
+    return options, flags
+
+
+def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype: str) -> dict:
+    workload = WORKLOADS[name]
+    options, flags = engine_options(args)
+    server = ServerProcess(["--checkpoint", str(checkpoint), "--backend", args.backend, "--device", args.device,
+                            "--dtype", dtype, "--log-level", "warning", *flags], args.log_dir / f"server-{name}.log")
+    started = time.perf_counter()
+    server.start(ready_timeout_s=1800)
+    logger.info("server ready in %.1f s", time.perf_counter() - started)
+    planner = RemotePlanner(server.url, timeout_s=600)
+    try:
+        remote = timed_plans(planner.plan, workload, args.runs, args.warmup)
+    finally:
+        planner.close()
+        server.stop()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    pipeline = Pipeline.from_checkpoint(checkpoint, backend=args.backend, device=args.device, dtype=dtype,
+                                        backend_options=options)
+    local = timed_plans(pipeline.plan, workload, args.runs, args.warmup)
+    pipeline.close()
+    remote_p50, local_p50 = np.percentile(remote["wall"], 50), np.percentile(local["wall"], 50)
+    return {
+        "workload": name, "backend": args.backend, "device": args.device, "dtype": dtype, "runs": args.runs,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "remote_ms": {key: percentiles(values) for key, values in remote.items()},
+        "in_process_ms": {key: percentiles(values) for key, values in local.items() if key != "overhead"},
+        "overhead_p50_ms": float(remote_p50 - local_p50),
+        "ratio_p50": float(remote_p50 / local_p50),
+    }
+
+
+def print_report(result: dict) -> None:
+    lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {result.get('gpu') or result['device']})",
+             "", "| path | measure | p50 ms | p90 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
+    for path in ("in_process_ms", "remote_ms"):
+        for measure, p in result[path].items():
+            lines.append(f"| {path.removesuffix('_ms')} | {measure} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} |")
+    lines += ["", f"remote wall p50 - in-process wall p50 = **{result['overhead_p50_ms']:.1f} ms**; "
+                  f"remote / in-process = **{result['ratio_p50']:.3f}x** (runs={result['runs']})"]
+    print("\n".join(lines))
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny random checkpoint, HF backend on the CPU")
+    parser.add_argument("--workload", default="W16", help=f"comma list of {sorted(WORKLOADS)}")
+    parser.add_argument("--backend", default="vllm", choices=("vllm", "hf"))
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--checkpoint", type=Path, help="existing checkpoint directory")
+    parser.add_argument("--full-size-dir", type=Path, help="write a full-size random checkpoint here")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--json-dir", type=Path, help="write serve-<workload>.json here")
+    parser.add_argument("--log-dir", type=Path, help="server logs (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.smoke:
+        args.workload, args.backend, args.device = "smoke", "hf", "cpu"
+    names = args.workload.split(",")
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"--workload: unknown {unknown}; known: {sorted(WORKLOADS)}")
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.checkpoint:
+        checkpoint = args.checkpoint
+    elif args.full_size_dir:
+        checkpoint = args.full_size_dir
+        if not (checkpoint / "config.json").exists():  # gpu_run.sh may have written it already
+            checkpoint = write_checkpoint(args.full_size_dir, full_size=True, weights=True,
+                                          dtype=getattr(torch, dtype), device=args.device)
+    else:
+        checkpoint = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-ckpt-")), dtype=getattr(torch, dtype))
+    for name in names:
+        result = bench_workload(name, args, checkpoint, dtype)
+        print_report(result)
+        if args.json_dir:
+            args.json_dir.mkdir(parents=True, exist_ok=True)
+            (args.json_dir / f"serve-{name}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

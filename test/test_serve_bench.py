@@ -1,0 +1,25 @@
+"""bench/bench_serve.py runs on the CPU with a tiny checkpoint, so the GPU command cannot rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_serve_smoke_reports_remote_overhead(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--smoke", "--runs", "2", "--warmup", "0",
+         "--json-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=800,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "serve-smoke.json").read_text())
+    assert (report["backend"], report["device"], report["runs"]) == ("hf", "cpu", 2)
+    for path, measures in (("remote_ms", ("wall", "total", "overhead")), ("in_process_ms", ("wall", "total"))):
+        for measure in measures:
+            assert 0 < report[path][measure]["p50"] <= report[path][measure]["p99"], (path, measure)
+    # the client's wall time holds the server's plan, plus what the remote path adds
+    assert report["remote_ms"]["wall"]["p50"] > report["remote_ms"]["total"]["p50"]
+    assert report["ratio_p50"] > 0 and "remote / in-process" in result.stdout
