@@ -35,12 +35,34 @@ from alpamayo_ros.ros.testing import (
     wait_until,
     write_params_file,
 )
-from alpamayo_ros.serve.process import ServerProcess
+from alpamayo_ros.settings import SPECS, ParameterError, parse_settings
 
 CAMERA_PERIOD_NS = 500_000_000  # frames every 0.5 s: each node plans most frame sets, many the same
 MATCHES = 3  # t0s both nodes must have planned
 RETURN_LIMIT_S = 5.0  # acceptance 3: plans again within this long of the server's /health ready
 HANG_S = 240.0  # a guard against hangs only (model loads on a loaded 2-core machine)
+
+
+def remote_values(**overrides: object) -> dict[str, object]:
+    values = {name: spec.default for name, spec in SPECS.items()}
+    values.update({"model.backend": "remote", "model.checkpoint_path": ""})
+    values.update({name.replace("__", "."): value for name, value in overrides.items()})
+    return values
+
+
+def test_remote_backend_needs_no_checkpoint_and_keeps_its_key_out_of_reprs() -> None:
+    settings = parse_settings(remote_values(remote__url="http://gpu-host:9000/", remote__api_key="s3cret"))
+    assert settings.remote is not None and settings.remote.url == "http://gpu-host:9000"
+    assert settings.remote.api_key == "s3cret" and "s3cret" not in repr(settings)
+    assert settings.model_id == "http://gpu-host:9000" and settings.backend == "remote"
+    with pytest.raises(ParameterError, match="^parameter 'model.checkpoint_path': empty"):
+        parse_settings(remote_values(model__backend="hf"))
+
+
+@pytest.mark.parametrize("url", ["gpu-host:8000", "ftp://gpu-host", "http://", ""])
+def test_bad_remote_url_is_named(url: str) -> None:
+    with pytest.raises(ParameterError, match="^parameter 'remote.url': expected http://host:port"):
+        parse_settings(remote_values(remote__url=url))
 
 
 class Node:

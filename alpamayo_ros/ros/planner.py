@@ -24,7 +24,8 @@ class Planner(Protocol):
     """Plans one input at a time; cancel() may be called from any thread."""
 
     def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:
-        """One plan; raises PlanCancelled once cancel() was called."""
+        """One plan; raises PlanCancelled once cancel() was called, PlanUnavailable when a fault
+        outside the input and the model (a remote server) left this one unplanned."""
 
     def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
         """Run what the first real plan would otherwise pay for (allocations, compilation)."""
