@@ -113,7 +113,14 @@ class Rig:
             "cameras.transports": [c.transport for c in self.cameras],
             "cameras.frames": 2,
             "cameras.frame_spacing_s": CAMERA_PERIOD_NS / 1e9,
-            "cameras.max_age_s": 0.0,  # a loaded machine may deliver late; the stream is what matters
+            # a starved rig thread publishes late and in bursts: wide input tolerances keep those ticks
+            # planned (straight, constant-speed driving: the history is the same either way)
+            "cameras.max_age_s": 0.0,
+            "cameras.max_frame_error_s": 0.2,
+            "cameras.max_skew_s": 0.3,
+            "odometry.max_stale_s": 0.5,
+            "odometry.max_gap_s": 1.0,
+            "qos.cameras.depth": 10,
             "odometry.topic": "/rig/odom",
             "planning.trigger": "frames",
             "sampling.max_reasoning_tokens": 4,
@@ -121,14 +128,13 @@ class Rig:
             "sampling.seed": 3,
             "diagnostics.rate_hz": 5.0,
         }
-        self.nodes: dict[str, Node] = {}
-        self._nodes_by_status: dict[str, Node] = {}
+        self.nodes: dict[str, Node] = {}  # replaced whole, never mutated: the executor thread reads it
         self.side.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics,
                                            self.side.reliable(depth=50))  # fmt: skip
         remote = {**common, "model.backend": "remote", "remote.url": self.server.url, "remote.timeout_s": 60.0}
-        local = {**common, "model.checkpoint_path": str(checkpoint)}
-        for name, params in (("remote", remote), ("local", local)):
-            self.nodes[name] = Node(self.side, name, params, tmp, self.domain_id)
+        local = {**common, "model.checkpoint_path": str(checkpoint)}  # same checkpoint, in-process
+        self.nodes = {name: Node(self.side, name, params, tmp, self.domain_id)
+                      for name, params in (("remote", remote), ("local", local))}  # fmt: skip
         self.rig = SensorRig(self.side, self.cameras, odometry_topic="/rig/odom")
         self.rig.CAMERA_PERIOD_NS = CAMERA_PERIOD_NS
         self.rig.start()
