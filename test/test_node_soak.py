@@ -1,7 +1,7 @@
 """Soak (issue 12 acceptance 3): a real alpamayo_drive process on the tiny checkpoint, driven at
-10 Hz for 10 minutes. Its resident memory must stay flat after warm-up (least-squares slope
-below 0.5 MB/min over the last 8 minutes), and every Path must carry its input's t0 (a camera
-stamp the rig published), strictly increasing.
+10 Hz for 10 minutes. Its resident memory must stay flat after warm-up (least-squares slope of
+the per-minute lowest RSS below 0.5 MB/min over the last 8 minutes), and every Path must carry
+its input's t0 (a camera stamp the rig published), strictly increasing.
 
 Robust on a loaded machine: the plan rate may drop, but the memory bound is per minute of
 running, and the stamps' order does not depend on speed.
@@ -31,7 +31,7 @@ from alpamayo_ros.ros.testing import (
 
 SOAK_S = 600.0
 SETTLE_S = 120.0  # allocator and caches settle; the slope is fitted after this
-SAMPLE_EVERY_S = 5.0
+SAMPLE_EVERY_S = 2.0
 MAX_SLOPE_MB_PER_MIN = 0.5
 
 
@@ -76,10 +76,14 @@ def test_ten_minutes_at_10_hz_keeps_memory_flat_and_stamps_increasing(tmp_path: 
         side.close()
     assert code == 0, log.read_text()[-3000:]
 
+    # the slope of each minute's lowest RSS: what stays allocated. A plan in flight holds a few
+    # MB for a moment, and where those peaks fall would decide a fit over every sample.
     minutes, rss = np.array(samples).T
-    slope = float(np.polyfit(minutes, rss, 1)[0])
+    floors = {int(m): float(rss[minutes.astype(int) == int(m)].min()) for m in minutes}
+    slope = float(np.polyfit(list(floors), list(floors.values()), 1)[0])
     print(f"soak: {len(paths)} Paths; RSS {rss[0]:.0f} -> {rss[-1]:.0f} MB, slope {slope:+.3f} MB/min")  # noqa: T201
-    assert slope < MAX_SLOPE_MB_PER_MIN, f"RSS grows {slope:.2f} MB/min ({rss[0]:.0f} -> {rss[-1]:.0f} MB)"
+    trace = " ".join(f"{m}:{r:.0f}" for m, r in floors.items())
+    assert slope < MAX_SLOPE_MB_PER_MIN, f"RSS grows {slope:.2f} MB/min (minute:MB {trace})"
 
     published = {stamp for camera in cameras for stamp in camera.stamps_ns}
     t0s = [stamp_to_ns(path.header.stamp) for path in paths.messages]

@@ -49,7 +49,7 @@ from alpamayo_ros.ros.params import (
     help_text,
     unknown_parameter_warnings,
 )
-from alpamayo_ros.ros.planner import Planner, PlanUnavailable, make_planner, warmup_input
+from alpamayo_ros.ros.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
 from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
 from alpamayo_ros.settings import SPECS, CameraInput, ParameterError, check_value, parse_settings, sampling_settings
 
@@ -103,6 +103,11 @@ class DriveNode(Node):
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.add_post_set_parameters_callback(self._after_set_parameters)
 
+        # The model's libraries are imported here, in the main thread: an import holds Python's
+        # interpreter lock for seconds, and inside the worker's load it would keep this thread
+        # from handling a shutdown meanwhile (loading weights mostly releases the lock).
+        self.get_logger().info(f"importing the {settings.backend} model stack")
+        import_model_stack(settings)
         self._worker = InferenceWorker(
             partial(make_planner, settings), (warmup_input(settings), self._sampling),
             run_job=self._run_job, on_job_error=self._on_job_error, on_idle=self._on_idle,
@@ -332,39 +337,40 @@ def main(args: list[str] | None = None) -> int:
         print(help_text(NODE_NAME))  # noqa: T201 - the console script's help text
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] [%(name)s]: %(message)s")
-    code = 0
     try:
         ros = rclpy.init(args=argv)
     except RuntimeError as exc:  # rclpy's UnknownROSArgsError: a mistyped ROS argument
         rclpy.logging.get_logger(NODE_NAME).fatal(f"bad arguments, not starting: {exc} (see {NODE_NAME} --help)")
         return 2
+    code, node = 0, None
     try:
         with ros:
-            try:
-                node = DriveNode(ros_args=_ros_args(argv))
-            except (ParameterError, ParameterException) as exc:
-                rclpy.logging.get_logger(NODE_NAME).fatal(f"bad parameter, not starting: {exc}")
-                return 2
             # Single-threaded on purpose: callbacks are short (inference has its own thread), and
             # rclpy's MultiThreadedExecutor busy-waits while a callback group is occupied, holding
             # the GIL, which made plans many times slower (0.4 s -> 6 s with the tiny model on CPU).
             executor = SingleThreadedExecutor(context=ros.context)
-            executor.add_node(node)
             try:
+                node = DriveNode(ros_args=_ros_args(argv))
+                executor.add_node(node)
                 while ros.context.ok() and node.exit_code is None:
                     executor.spin_once(timeout_sec=0.25)
+            except (ParameterError, ParameterException) as exc:
+                rclpy.logging.get_logger(NODE_NAME).fatal(f"bad parameter, not starting: {exc}")
+                code = 2
             except (KeyboardInterrupt, ExternalShutdownException):
                 pass
             except RuntimeError:
-                # rclpy's take_message can fail on a subscription torn down by the signal handler
-                # ("Unable to convert call argument"); after shutdown that is not an error.
+                # A signal shut ROS down while it was in use: rclpy's take_message fails ("Unable
+                # to convert call argument"), or so does building the node. Not an error then.
                 if ros.context.ok():
                     raise
             finally:
-                node.close()
-                code = node.exit_code or 0
+                if node is not None:
+                    node.close()
+                    code = node.exit_code or code
                 executor.shutdown(timeout_sec=1.0)
-                node.destroy_node()
+                if node is not None:
+                    node.destroy_node()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:

@@ -6,6 +6,7 @@ and an alpamayo-serve server (model.backend remote) are interchangeable behind i
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from typing import Protocol
@@ -117,6 +118,21 @@ class ServerPlanner:
 
     def close(self) -> None:
         self._client.close()
+
+
+#: modules a model load imports, per backend (the import, not the weights, holds the GIL for long)
+MODEL_STACK = {
+    "hf": ("alpamayo_ros.core.pipeline", "alpamayo_ros.core.backbone_hf", "transformers.models.qwen3_vl.modeling_qwen3_vl"),
+    # not vllm itself: the backend sets its in-process switch before vLLM is first imported
+    "vllm": ("alpamayo_ros.core.pipeline", "alpamayo_ros.core.backbone_vllm"),
+    "remote": ("alpamayo_ros.serve.client",),  # httpx, torch (the client resizes frames)
+}
+
+
+def import_model_stack(settings: DriveSettings) -> None:
+    """Import what make_planner(settings) will need, so the load itself imports little."""
+    for module in MODEL_STACK.get(settings.backend, ()):
+        importlib.import_module(module)
 
 
 def make_planner(settings: DriveSettings) -> Planner:
