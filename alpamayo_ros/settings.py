@@ -31,6 +31,7 @@ TRANSPORTS = ("raw", "compressed")
 SELECTIONS = ("first", "medoid", "all")
 OUTPUT_FRAMES = ("ego", "odom")
 TRIGGERS = ("timer", "frames")
+BACKENDS = ("hf", "vllm", "remote")
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -57,12 +58,18 @@ class ParamSpec:
 
 PARAMETERS: tuple[ParamSpec, ...] = (
     # model
-    ParamSpec("model.checkpoint_path", "", "Checkpoint directory (config.json, safetensors, tokenizer). Required."),
+    ParamSpec(
+        "model.checkpoint_path",
+        "",
+        "Checkpoint directory (config.json, safetensors, tokenizer). Required, except with model.backend remote"
+        " (the server has the model).",
+    ),
     ParamSpec(
         "model.backend",
         "hf",
-        "Backbone backend: hf (transformers reference) or vllm (in-process engine).",
-        choices=("hf", "vllm"),
+        "Backbone backend: hf (transformers reference), vllm (in-process engine) or remote (an alpamayo-serve"
+        " server at remote.url; model.device, model.dtype and vllm.* are then the server's business).",
+        choices=BACKENDS,
     ),
     ParamSpec("model.device", "cpu", "Torch device: cpu, cuda or cuda:N."),
     ParamSpec(
@@ -78,6 +85,20 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         "After a failed model load keep the node up (ERROR diagnostics) instead of exiting with code 1"
         " (the exit lets launch's respawn act).",
     ),
+    ParamSpec(
+        "remote.url",
+        "http://127.0.0.1:8000",
+        "alpamayo-serve base URL (http:// or https://), used with model.backend remote.",
+    ),
+    ParamSpec(
+        "remote.timeout_s",
+        5.0,
+        "Longest one remote plan may take (connect, send, plan, answer); beyond it the tick reports"
+        " remote_timeout.",
+        minimum=0.1,
+        maximum=600.0,
+    ),
+    ParamSpec("remote.api_key", "", "Bearer key the server was started with (--api-key); empty = none."),
     ParamSpec(
         "vllm.dtype",
         "auto",
@@ -354,6 +375,15 @@ class CameraInput:
 
 
 @dataclass(frozen=True)
+class RemoteSettings:
+    """Where model.backend remote sends its plans (the api key stays out of logs and diagnostics)."""
+
+    url: str
+    timeout_s: float
+    api_key: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
 class DriveSettings:
     """Validated node configuration (times already in ns where the inputs package wants ns)."""
 
@@ -383,6 +413,7 @@ class DriveSettings:
     max_lateral_accel_mps2: float
     qos: dict[str, Any] = field(default_factory=dict)
     diagnostics_period_s: float = 1.0
+    remote: RemoteSettings | None = None  # model.backend remote only
 
 
 def check_value(name: str, value: Any) -> None:
@@ -422,9 +453,10 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         check_value(name, values[name])
     v = values
     checkpoint = v["model.checkpoint_path"]
-    if not checkpoint:
+    remote = _parse_remote(v) if v["model.backend"] == "remote" else None
+    if not checkpoint and remote is None:
         raise ParameterError("model.checkpoint_path", "empty; set it to the checkpoint directory")
-    if check_paths and not os.path.isdir(checkpoint):
+    if check_paths and remote is None and not os.path.isdir(checkpoint):
         raise ParameterError("model.checkpoint_path", f"no such directory: {checkpoint}")
     if not DEVICE_PATTERN.match(v["model.device"]):
         raise ParameterError("model.device", f"{v['model.device']!r} is not cpu, cuda or cuda:N")
@@ -473,7 +505,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         backend=v["model.backend"],
         device=v["model.device"],
         dtype=model_dtype,
-        model_id=v["model.id"] or os.path.basename(os.path.normpath(checkpoint)),
+        model_id=v["model.id"] or _model_id(checkpoint, remote),
         backend_options=backend_options if v["model.backend"] == "vllm" else {},
         cameras=cameras,
         frame_sync=frame_sync,
@@ -495,7 +527,22 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         max_lateral_accel_mps2=float(v["gates.max_lateral_accel_mps2"]),
         qos={name.removeprefix("qos."): v[name] for name in SPECS if name.startswith("qos.")},
         diagnostics_period_s=1.0 / v["diagnostics.rate_hz"],
+        remote=remote,
     )
+
+
+def _model_id(checkpoint: str, remote: RemoteSettings | None) -> str:
+    """The checkpoint folder's name; a remote node without a checkpoint path names its server."""
+    if checkpoint or remote is None:
+        return os.path.basename(os.path.normpath(checkpoint))
+    return remote.url
+
+
+def _parse_remote(v: Mapping[str, Any]) -> RemoteSettings:
+    url = v["remote.url"].strip()
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise ParameterError("remote.url", f"expected http://host:port or https://host:port, got {url!r}")
+    return RemoteSettings(url=url.rstrip("/"), timeout_s=float(v["remote.timeout_s"]), api_key=v["remote.api_key"])
 
 
 def sampling_settings(v: Mapping[str, Any]) -> SamplingSettings:

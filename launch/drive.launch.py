@@ -35,6 +35,8 @@ PARAMETER_ARGUMENTS: dict[str, str] = {
     "device": "model.device",
     "dtype": "model.dtype",
     "model_id": "model.id",
+    "remote_url": "remote.url",
+    "remote_timeout_s": "remote.timeout_s",
     "gpu_memory_utilization": "vllm.gpu_memory_utilization",
     "kv_cache_gib": "vllm.kv_cache_gib",
     "max_model_len": "vllm.max_model_len",

@@ -49,7 +49,7 @@ from alpamayo_ros.ros.params import (
     help_text,
     unknown_parameter_warnings,
 )
-from alpamayo_ros.ros.planner import Planner, import_model_stack, make_planner, warmup_input
+from alpamayo_ros.ros.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
 from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
 from alpamayo_ros.settings import SPECS, CameraInput, ParameterError, check_value, parse_settings, sampling_settings
 
@@ -238,12 +238,15 @@ class DriveNode(Node):
     def _run_job(self, planner: Planner, job: PlanJob) -> None:
         driving_input = job.request.assembly.driving_input
         started_ns = self._now_ns()
-        plan = planner.plan(driving_input, job.sampling)
-        gate = gate_plan(plan, job.max_lateral_accel_mps2)
-        if gate is not None:
+        try:
+            plan = planner.plan(driving_input, job.sampling)
+            refused = gate_plan(plan, job.max_lateral_accel_mps2)
+        except PlanUnavailable as exc:  # the server's fault, not the input's or the model's: no plan, go on
+            refused = (exc.reason, exc.detail)
+        if refused is not None:
             with self._lock:
-                self._scheduler.counters.rejected[gate[0]] += 1
-                self._record_rejection(Problem(*gate))
+                self._scheduler.counters.rejected[refused[0]] += 1
+                self._record_rejection(Problem(*refused))
             self._publish_diagnostics()
             return
         timings_ms = {

@@ -1,18 +1,22 @@
 """Where the drive node's plans come from: one factory from settings to a Planner.
 
-The inference worker only knows this protocol, so another planner (a remote one behind
-`model.backend`) slots in here without touching the worker's state machine or the node.
+The inference worker only knows this protocol: the in-process model (model.backend hf or vllm)
+and an alpamayo-serve server (model.backend remote) are interchangeable behind it.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import threading
 from typing import Protocol
 
 import numpy as np
 
-from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
-from alpamayo_ros.settings import DriveSettings
+from alpamayo_ros.core.types import DrivingInput, Plan, PlanCancelled, SamplingSettings
+from alpamayo_ros.settings import DriveSettings, RemoteSettings
+
+logger = logging.getLogger(__name__)
 
 WARMUP_SIZE = (576, 320)  # (width, height) of warm-up frames when images.* keep native size
 
@@ -21,7 +25,8 @@ class Planner(Protocol):
     """Plans one input at a time; cancel() may be called from any thread."""
 
     def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:
-        """One plan; raises PlanCancelled once cancel() was called."""
+        """One plan; raises PlanCancelled once cancel() was called, PlanUnavailable when a fault
+        outside the input and the model (a remote server) left this one unplanned."""
 
     def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
         """Run what the first real plan would otherwise pay for (allocations, compilation)."""
@@ -31,6 +36,19 @@ class Planner(Protocol):
 
     def close(self) -> None:
         """Release the model (call from the thread that planned: vLLM frees GPU memory there)."""
+
+
+class PlanUnavailable(RuntimeError):
+    """No plan for a reason that is not the input's (the server is down, too slow or refused).
+
+    reason is the diagnostic key (remote_unavailable, remote_timeout, remote_rejected); the
+    planner stays usable and the next input may well be planned.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
 
 
 class PipelinePlanner:
@@ -57,11 +75,57 @@ class PipelinePlanner:
         self._pipeline.close()
 
 
+class ServerPlanner:
+    """Plans on an alpamayo-serve server (model.backend remote); needs no model here.
+
+    Construction and warm-up never wait for the server: a server that is down or still loading
+    leaves the node ready, and every plan until it answers raises PlanUnavailable (the client
+    backs off between connection attempts, so a dead server costs a tick next to nothing).
+    """
+
+    def __init__(self, remote: RemoteSettings) -> None:
+        from alpamayo_ros.serve.client import RemotePlanner  # httpx and torch: not for the ROS layer
+
+        self._client = RemotePlanner(remote.url, timeout_s=remote.timeout_s, api_key=remote.api_key or None)
+        self._cancelled = threading.Event()
+
+    def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:
+        from alpamayo_ros.serve.client import RemoteError
+
+        if self._cancelled.is_set():
+            raise PlanCancelled("planner cancelled")
+        try:
+            plan = self._client.plan(driving_input, sampling)
+        except RemoteError as error:
+            if self._cancelled.is_set():
+                raise PlanCancelled("planner cancelled") from error
+            raise PlanUnavailable(error.reason, str(error)) from error
+        if self._cancelled.is_set():  # an answer that arrived after cancel() is not published
+            raise PlanCancelled("planner cancelled")
+        return plan
+
+    def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
+        """One plan (the client learns the server's frame geometry); a server that does not
+        answer yet is logged, not fatal."""
+        try:
+            self.plan(driving_input, sampling)
+        except PlanUnavailable as error:
+            logger.warning(f"warm-up plan on {self._client.url}: {error}; planning starts when the server answers")
+
+    def cancel(self) -> None:
+        """Refuse later plans; one in flight ends within remote.timeout_s and is discarded."""
+        self._cancelled.set()
+
+    def close(self) -> None:
+        self._client.close()
+
+
 #: modules a model load imports, per backend (the import, not the weights, holds the GIL for long)
 MODEL_STACK = {
     "hf": ("alpamayo_ros.core.pipeline", "alpamayo_ros.core.backbone_hf", "transformers.models.qwen3_vl.modeling_qwen3_vl"),
     # not vllm itself: the backend sets its in-process switch before vLLM is first imported
     "vllm": ("alpamayo_ros.core.pipeline", "alpamayo_ros.core.backbone_vllm"),
+    "remote": ("alpamayo_ros.serve.client",),  # httpx, torch (the client resizes frames)
 }
 
 
@@ -72,7 +136,9 @@ def import_model_stack(settings: DriveSettings) -> None:
 
 
 def make_planner(settings: DriveSettings) -> Planner:
-    """The planner model.backend asks for (slow: loads the model)."""
+    """The planner model.backend asks for (slow for hf and vllm: loads the model)."""
+    if settings.remote is not None:
+        return ServerPlanner(settings.remote)
     return PipelinePlanner(settings)
 
 
