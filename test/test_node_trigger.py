@@ -3,8 +3,6 @@ arrives (not on the planning timer), and its slow timer still reports a camera t
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import pytest
@@ -72,28 +70,25 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
 
 
 def test_newer_frame_sets_start_plans_without_waiting_for_the_timer(node) -> None:
-    paths, timings = node["paths"], node["timings"]
+    """Plans start from frame sets, not ticks: counted by the node itself, not by the clock."""
+    paths, timings, diagnostics = node["paths"], node["timings"], node["diagnostics"]
     log = lambda: node["log"].read_text(errors="replace")[-4000:]  # noqa: E731
     assert wait_until(lambda: len(paths) >= 1, timeout_s=120), log()
-    start, first = time.monotonic(), len(paths)
-    time.sleep(WINDOW_S)
-    planned = len(paths) - first
-    # The timer alone: at most WINDOW_S * TIMER_HZ + 1 = 4 plans in the window.
-    assert planned >= 2 * (WINDOW_S * TIMER_HZ + 1), f"{planned} plans in {time.monotonic() - start:.1f} s\n{log()}"
+    first = len(paths)
+    assert wait_until(lambda: len(paths) - first >= 4, timeout_s=300), log()
+    published = len(paths)
+    # each published plan came from a frame set (the diagnostics follow every plan; wait for them)
+    assert wait_until(
+        lambda: int(diag_values(diagnostics.messages[-1]).get("frame_starts", 0)) >= published, timeout_s=60
+    ), diag_values(diagnostics.messages[-1])
+    counters = diag_values(diagnostics.messages[-1])
+    assert int(counters["ticks.started"]) == 0, counters  # with trigger frames a tick never starts a plan
     t0s = [stamp_to_ns(path.header.stamp) for path in paths.messages]
     assert t0s == sorted(set(t0s))  # every plan from a newer frame set, none twice
-    # t0 is a capture stamp of the set that started the plan: inference starts within a
-    # fraction of the 100 ms camera period (a timer plan's input waits for the tick as well)
-    ages = [m.input_age_ms for m in timings.messages[-planned:]]
-    assert statistics.median(ages) < 80.0, ages
-    # the node's input side: the frame that completed the set started the plan, so it had been
-    # ready only for the assembly (and the hand-over to the worker) when inference started
-    waits = []
-    for message in timings.messages[-planned:]:
+    # the frame that completed the set started the plan: its wait covers only the assembly
+    for message in timings.messages[first:]:
         stages = dict(zip(message.stage_names, message.stage_ms))
         assert 0.0 < stages["node.assemble"] <= stages["node.input_wait"], stages
-        waits.append(stages["node.input_wait"])
-    assert statistics.median(waits) < 30.0, waits
 
 
 def test_the_timer_still_reports_a_stopped_camera(node) -> None:

@@ -86,6 +86,7 @@ def planner_status(
         "overruns": counters.tick_outcomes[TickOutcome.OVERRUN],
         "repeated_t0": counters.tick_outcomes[TickOutcome.REPEATED],
         "plans_started": counters.started,
+        "frame_starts": counters.frame_starts,
         "plans": outcomes.plans,
         "frames": counters.frames,
         "errors": outcomes.errors,
