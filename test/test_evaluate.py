@@ -13,7 +13,8 @@ import pytest
 
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
 from alpamayo_ros.eval.bags import TRAJECTORY_SET, BagWriter, register_msgtype
-from alpamayo_ros.eval.evaluate import FUTURE_UNAVAILABLE, drive_settings, evaluate_bag, load_params_file, main
+from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_params_file, main
+from alpamayo_ros.eval.ground_truth import FUTURE_UNAVAILABLE
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, write_report
 
 S = 1_000_000_000

@@ -30,7 +30,7 @@ from .expert import ActionExpertModel
 from .frame_cache import FrameCache, frame_key
 from .preprocess import PreprocessedImages
 from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
-from .tokenizer import AlpamayoTokenizer, extract_between
+from .tokenizer import AlpamayoTokenizer, extract_between, extract_reasoning
 from .types import DrivingInput, Plan, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -226,17 +226,19 @@ class Pipeline:
             hist_rot = torch.from_numpy(inputs.ego_history_rot).expand(rows, -1, -1, -1)
             xyz, rot = self.action_space.action_to_traj(action.float().cpu(), hist_xyz, hist_rot)
         timings["total"] = (time.perf_counter() - total_start) * 1e3
+        reasoning = [
+            extract_reasoning(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
+            for row in rollout.generated_ids
+        ]
         return Plan(
             xyz=xyz.float().cpu().numpy(),
             rot=rot.float().cpu().numpy(),
-            coc=[
-                extract_between(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
-                for row in rollout.generated_ids
-            ],
+            coc=[text for text, _ in reasoning],
             generated_ids=[list(row) for row in rollout.generated_ids],
             t0_ns=inputs.t0_ns,
             backend=self.backbone.name,
             timings_ms=timings,
+            reasoning_closed=[closed for _, closed in reasoning],
         )
 
     @torch.inference_mode()

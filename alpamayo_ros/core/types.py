@@ -93,7 +93,8 @@ class Plan:
 
     xyz: float32 (samples, 64, 3) waypoints at t0+0.1 ... t0+6.4 s in the t0 ego frame (m).
     rot: float32 (samples, 64, 3, 3) yaw rotations of those waypoints.
-    coc: chain-of-causation text per sample.
+    coc: chain-of-causation text per sample; when generation stopped before <|cot_end|> (token
+        budget), the text generated so far, and reasoning_closed says so.
     generated_ids: reasoning token ids per sample (up to and including <|traj_future_start|>).
     timings_ms: stage name -> milliseconds (preprocess, backbone, expert, action, total, ...).
     """
@@ -105,6 +106,7 @@ class Plan:
     t0_ns: int
     backend: str
     timings_ms: dict[str, float] = field(default_factory=dict)
+    reasoning_closed: list[bool] = field(default_factory=list)  # per sample: False = coc cut at the token budget
 
     @property
     def yaw(self) -> np.ndarray:
