@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from alpamayo_ros.core.types import CAMERAS
 from alpamayo_ros.eval.evaluate import (BagResult, Planner, RecordedPlans, check_bag, evaluate_bag,
                                         plan_differences)
 from alpamayo_ros.eval.physical_ai_av import ClipFiles, convert_clip
@@ -92,14 +93,17 @@ def make_jobs(bags: Sequence[Path], clips_file: Path | None, pai_root: Path | No
 
 
 @contextmanager
-def job_bag(job: EvalJob) -> Iterator[Path]:
-    """The job's bag directory; a clip is converted into a temporary bag removed afterwards."""
+def job_bag(job: EvalJob, settings: DriveSettings) -> Iterator[Path]:
+    """The job's bag directory; a clip is converted (the settings' cameras, on their topics) into a
+    temporary bag removed afterwards."""
     if job.bag is not None:
         yield job.bag
         return
+    topics = {CAMERAS[c.index][0]: c.topic for c in settings.cameras}
     with tempfile.TemporaryDirectory(prefix="alpamayo-pai-") as tmp:
         bag = Path(tmp) / job.name
-        convert_clip(job.pai_root, job.clip, bag)
+        convert_clip(job.pai_root, job.clip, bag, cameras=list(topics), odom_topic=settings.odometry_topic,
+                     camera_topics=topics)
         yield bag
 
 
@@ -107,7 +111,7 @@ def run_job(job: EvalJob, planner: Planner | None, settings: DriveSettings, opti
             on_tick: Callable[[int, int], None] | None = None) -> JobOutcome:
     """Score one job (planner None only when options.plans_topic scores recorded plans)."""
     started = time.monotonic()
-    with job_bag(job) as bag:
+    with job_bag(job, settings) as bag:
         kwargs = dict(max_ticks=options.max_ticks, progress=options.progress, on_tick=on_tick)
         if options.plans_topic:
             recorded = RecordedPlans(bag, options.plans_topic, settings.ego_frame_id)
