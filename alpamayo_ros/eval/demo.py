@@ -65,7 +65,11 @@ FRAME_EVERY = 5  # camera frames at 10 Hz
 # Simulated time starts here (0 would look like an unset clock); the 50 ms offset keeps camera
 # frames between the node's planning ticks, which fall on whole periods of simulated time.
 SIM_START_NS = 1_000 * NS + 50_000_000
-FIRST_PLAN_AFTER_NS = 2 * NS  # the first plan needs 1.5 s of odometry history and its frames
+# Lockstep waits at every tick from the first one that can plan: its newest frame (frames every
+# 0.1 s from the drive's start, odometry every 20 ms) has 1.5 s of odometry before it. Earlier
+# ticks are rejected (history_short); a plannable tick left unwaited would still be planning at
+# the next tick, which the node then skips.
+FIRST_PLANNABLE_FRAME_NS = 1_600_000_000
 
 
 @dataclass
@@ -251,7 +255,7 @@ class DemoScene:
         start_ns = self.sim_ns
         self.follower.log_pose(start_ns, self.vehicle.pose)
         self.recorder.active = True
-        first_plan_ns = start_ns + FIRST_PLAN_AFTER_NS
+        first_plan_ns = start_ns + FIRST_PLANNABLE_FRAME_NS + 1  # ticks after that frame can plan
         next_tick = start_ns - start_ns % period_ns + period_ns
         wall0 = time.monotonic()
         step = 0
@@ -275,6 +279,8 @@ class DemoScene:
     def _await_plan(self, plan_before: int | None, tick_ns: int, node_process: subprocess.Popen) -> None:
         started = time.monotonic()
         while self.follower.plan_t0 == plan_before:
+            if not rclpy.ok():
+                raise ExternalShutdownException()
             if node_process.poll() is not None:
                 raise RuntimeError(f"drive node exited with code {node_process.returncode} while planning")
             if time.monotonic() - started > self.opts.lockstep_timeout_s:
@@ -282,6 +288,8 @@ class DemoScene:
                                    f"{self.opts.lockstep_timeout_s:.0f} s (node state: {self.node_state})")
             self.spin(0.02)
         self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
+        logger.debug("lockstep: tick %.2f s: plan for t0 %.2f s after %.1f s", tick_ns / NS, self.follower.plan_t0 / NS,
+                     time.monotonic() - started)
 
     def drive(self, node_process: subprocess.Popen) -> None:
         """Free-running closed loop: step the world, publish, follow plans, wait (bounded) for a lagging node."""
@@ -290,7 +298,7 @@ class DemoScene:
         period_ns = int(NS / self.opts.rate_hz)
         lead_ns = period_ns + 150_000_000
         start_ns = self.sim_ns
-        reference = start_ns + FIRST_PLAN_AFTER_NS - lead_ns
+        reference = start_ns + 2 * NS - lead_ns  # the first plan needs 1.5 s of history
         wall0 = time.monotonic()
         step = 0
         while self.sim_ns - start_ns < self.opts.duration_s * NS:
