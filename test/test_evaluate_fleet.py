@@ -159,3 +159,23 @@ def test_evaluator_and_workers_import_without_ros(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("ros hidden")
+
+
+def test_ctrl_c_keeps_the_finished_bags(bags, params_file, tmp_path):
+    """SIGINT after the first bag is scored: exit 130, that bag in the report, the rest listed as not evaluated."""
+    fleet = start(eval_command(bags, params_file, tmp_path / "ray", "--ray", "--workers", "1"))
+    lines, finished = [], None
+    for line in fleet.stdout:
+        lines.append(line)
+        match = re.search(r"(\S+): \d+ ticks, \d+ plans on worker", line)
+        if match:
+            finished = match.group(1)
+            fleet.send_signal(signal.SIGINT)
+            break
+    log = "".join(lines) + finish(fleet)
+    assert finished is not None and fleet.returncode == 130, log
+    doc = json.loads((tmp_path / "ray" / "report.json").read_text())
+    assert doc["interrupted"] and finished in [b["bag"] for b in doc["bags"]]
+    assert doc["summary"]["count"] >= PLANS_PER_BAG and doc["failed"] == []
+    assert sorted([b["bag"] for b in doc["bags"]] + doc["unfinished"]) == sorted(map(str, bags))
+    assert "Interrupted" in (tmp_path / "ray" / "report.md").read_text()

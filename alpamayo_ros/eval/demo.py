@@ -35,7 +35,8 @@ from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
 from alpamayo_ros.eval.bags import BagWriter
-from alpamayo_ros.eval.evaluate import RecordedPlans, drive_settings, evaluate_bag, load_pipeline, plan_differences
+from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_pipeline
+from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.metrics import summarize
 from alpamayo_ros.eval.processes import start_console_script, stop_process
 from alpamayo_ros.eval.record import Recorder
