@@ -19,6 +19,7 @@ import math
 import shutil
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,11 +31,12 @@ from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.serialization import serialize_message
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
-from alpamayo_ros.eval.bags import BagWriter
+from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter
 from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_pipeline
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.metrics import summarize
@@ -152,6 +154,7 @@ class DemoScene:
 
     def __init__(self, opts: DemoOptions, rig: Sequence[PinholeCamera], writer: BagWriter) -> None:
         self.opts, self.rig = opts, rig
+        self.rig_by_index = {c.index: c for c in rig}
         self.road = Road.winding()
         self.renderer = Renderer(self.road, tuple(rig))
         self.vehicle = Vehicle.on_road(self.road, speed=opts.speed_mps)
@@ -169,9 +172,11 @@ class DemoScene:
         self.node_state = "not started"
         self.handled = 0
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
-        self.recorder = Recorder(self.node, writer, [camera_topic(c) for c in rig] + [ODOM] + NODE_OUTPUTS,
-                                 clock=lambda: self.sim_ns)
-        self.recorder.active = False  # the recording starts with the drive, not during the model load
+        # The scene's own sensors go into the bag at their simulated time, exactly; the node's outputs
+        # are recorded as they arrive. Both start with the drive, not during the model load.
+        self.writer, self.recording, self.sensor_counts = writer, False, Counter()
+        self.recorder = Recorder(self.node, writer, NODE_OUTPUTS, clock=lambda: self.sim_ns)
+        self.recorder.active = False
         self.executor = SingleThreadedExecutor()
         self.executor.add_node(self.node)
         self.plans_waited_out = 0  # waits that ended by timeout
@@ -208,12 +213,23 @@ class DemoScene:
         odom.pose.pose.orientation.z, odom.pose.pose.orientation.w = math.sin(pose.yaw / 2), math.cos(pose.yaw / 2)
         odom.twist.twist.linear.x, odom.twist.twist.angular.z = self.vehicle.speed, yaw_rate
         self.odom_pub.publish(odom)
+        self._record(ODOM, ODOMETRY, odom)
         if step % FRAME_EVERY == 0:
             for index, image in self.renderer.render_rig(pose).items():
                 msg = CompressedImage()
                 msg.header.stamp, msg.header.frame_id, msg.format = stamp, CAMERAS[index][0], "jpeg"
                 msg.data = _jpeg(image)
                 self.camera_pubs[index].publish(msg)
+                self._record(camera_topic(self.rig_by_index[index]), COMPRESSED_IMAGE, msg)
+
+    def _record(self, topic: str, msgtype: str, msg: Any) -> None:
+        if self.recording:
+            self.writer.write_raw(topic, msgtype, self.sim_ns, serialize_message(msg))
+            self.sensor_counts[topic] += 1
+
+    def start_recording(self) -> None:
+        """Sensors from now on; node outputs from the next step on, so the bag starts with a sensor."""
+        self.recording = True
 
     def wait_until_ready(self, node_process: subprocess.Popen) -> None:
         """Advance the clock in real time (no sensors) until the node reports ready."""
@@ -255,7 +271,7 @@ class DemoScene:
             self.spin(0.005)
         start_ns = self.sim_ns
         self.follower.log_pose(start_ns, self.vehicle.pose)
-        self.recorder.active = True
+        self.start_recording()
         first_plan_ns = start_ns + FIRST_PLANNABLE_FRAME_NS + 1  # ticks after that frame can plan
         next_tick = start_ns - start_ns % period_ns + period_ns
         wall0 = time.monotonic()
@@ -265,6 +281,7 @@ class DemoScene:
                 raise RuntimeError(f"drive node exited with code {node_process.returncode} while driving")
             step += 1
             self.step_world(step)
+            self.recorder.active = True
             if self.sim_ns >= next_tick and next_tick >= first_plan_ns:
                 plan_before = self.follower.plan_t0
                 self.spin(0.05)  # the sensors reach the node before the clock passes the tick
@@ -334,7 +351,7 @@ class DemoScene:
 
     def summary(self, started_monotonic: float) -> dict[str, Any]:
         return {"plans_followed": len(self.follower.world_plans), "clamped_steps": self.vehicle.clamped_steps,
-                "plans_waited_out": self.plans_waited_out, "recorded": dict(self.recorder.counts),
+                "plans_waited_out": self.plans_waited_out, "recorded": {**self.sensor_counts, **self.recorder.counts},
                 "lockstep": self.opts.lockstep,
                 "node_state": self.node_state, "drive_wall_s": time.monotonic() - started_monotonic}
 
@@ -385,6 +402,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             if opts.lockstep:
                 scene.drive_lockstep(node_process)
             else:
+                scene.start_recording()
                 scene.recorder.active = True
                 scene.follower.log_pose(scene.sim_ns, scene.vehicle.pose)
                 scene.drive(node_process)
