@@ -100,11 +100,16 @@ def run_on_ray(jobs: Sequence[EvalJob], values: dict[str, Any], options: JobOpti
     """Score jobs on fleet.workers Ray actors; values are the node parameters every worker parses."""
     if fleet.workers < 1 or fleet.max_attempts < 1:
         raise ValueError(f"--workers/--max-attempts: need at least 1, got {fleet.workers}/{fleet.max_attempts}")
-    if fleet.address:
-        ray.init(address=fleet.address, log_to_driver=True)
-    else:  # a small private instance: only what the workers ask for, no dashboard
-        ray.init(num_cpus=max(1, math.ceil(fleet.workers * fleet.cpus_per_worker)), include_dashboard=False,
-                 object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
+    try:
+        if fleet.address:
+            ray.init(address=fleet.address, log_to_driver=True)
+        else:  # a small private instance: only what the workers ask for, no dashboard
+            ray.init(num_cpus=max(1, math.ceil(fleet.workers * fleet.cpus_per_worker)), include_dashboard=False,
+                     object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
+    except Exception as exc:  # Ray raises bare Exception (and ConnectionError) when it cannot start or connect
+        ray.shutdown()
+        where = f"--ray-address {fleet.address}" if fleet.address else "a local Ray instance"
+        raise RuntimeError(f"{where} did not start: {exc}") from None
     try:
         return _Driver(jobs, values, options, fleet).run()
     finally:
