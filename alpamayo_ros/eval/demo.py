@@ -296,7 +296,8 @@ class DemoScene:
 
     def _await_plan(self, plan_before: int | None, tick_ns: int, node_process: subprocess.Popen) -> None:
         started = time.monotonic()
-        while self.follower.plan_t0 == plan_before:
+        handled_before = self.handled  # a tick the node rejects (diagnostics) ends the wait too, without a plan
+        while self.follower.plan_t0 == plan_before and self.handled == handled_before:
             if not rclpy.ok():
                 raise ExternalShutdownException()
             if node_process.poll() is not None:
@@ -306,8 +307,8 @@ class DemoScene:
                                    f"{self.opts.lockstep_timeout_s:.0f} s (node state: {self.node_state})")
             self.spin(0.02)
         self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
-        logger.debug("lockstep: tick %.2f s: plan for t0 %.2f s after %.1f s", tick_ns / NS, self.follower.plan_t0 / NS,
-                     time.monotonic() - started)
+        if self.follower.plan_t0 == plan_before:
+            logger.warning("lockstep: the node rejected the tick at %.2f s (see its diagnostics); driving on", tick_ns / NS)
 
     def drive(self, node_process: subprocess.Popen) -> None:
         """Free-running closed loop: step the world, publish, follow plans, wait (bounded) for a lagging node."""
