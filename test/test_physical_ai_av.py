@@ -1,7 +1,10 @@
 """alpamayo-convert-pai on a small synthetic clip laid out like the PhysicalAI-AV dataset."""
 
 import io
+import json
 import math
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 
 from alpamayo_ros.eval.bags import bag_topics, decode_image, read_messages
 from alpamayo_ros.eval.evaluate import load_params_file
+from alpamayo_ros.eval.evaluate import main as eval_main
 from alpamayo_ros.eval.physical_ai_av import convert_clip, main
 from alpamayo_ros.inputs.messages import stamp_to_ns
 
@@ -148,3 +152,32 @@ def test_default_topics_are_the_node_defaults(bag):
     shipped = load_params_file(Path(__file__).resolve().parents[1] / "config" / "drive.yaml")
     assert set(TOPICS.values()) <= set(shipped["cameras.topics"]) and "/odom" == shipped["odometry.topic"]
     assert set(TOPICS.values()) <= set(bag_topics(bag))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--root", "/no/such/root", "--clip", CLIP], "root: /no/such/root is not a directory"),
+    (["--root", "{dataset}", "--clip", "not-a-clip"], "clip: not-a-clip is not in"),
+])
+def test_cli_errors_are_one_line(args, message, dataset, tmp_path):
+    args = [a.format(dataset=dataset) for a in args]
+    run = subprocess.run([sys.executable, "-m", "alpamayo_ros.eval.physical_ai_av", *args, "--out", str(tmp_path / "bag")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [run.stderr.strip()] and message in run.stderr
+
+
+def test_evaluator_converts_listed_clips(dataset, tiny_checkpoint, tmp_path):
+    """--clips: each clip becomes a temporary bag on the settings' own topics and is evaluated."""
+    clips = tmp_path / "clips.txt"
+    clips.write_text(f"# clips to score\n{CLIP}\n")
+    params = tmp_path / "eval.yaml"
+    params.write_text("/**:\n  ros__parameters:\n"
+                      f"    model.checkpoint_path: {tiny_checkpoint}\n"
+                      "    cameras:\n      topics: [/front, /left]\n      indices: [1, 0]\n"
+                      "      transports: [compressed, compressed]\n")
+    eval_main(["--clips", str(clips), "--pai-root", str(dataset), "--params-file", str(params),
+               "--out", str(tmp_path / "out"), "--no-progress"])
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [b["bag"] for b in doc["bags"]] == [CLIP] and doc["failed"] == []
+    assert doc["ticks_total"] >= 10  # a 2 s clip: every tick skipped (too short for 1.5 s + 6.4 s), none lost
+    assert sum(doc["skipped"].values()) == doc["ticks_total"]

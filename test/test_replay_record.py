@@ -123,3 +123,31 @@ def test_recording_is_standard_mcap(round_trip):
         decoded = [(c.topic, m) for _, c, _, m in reader.iter_decoded_messages(topics=["/odom", "/alpamayo/trajectories"])]
     assert {t for t, _ in decoded} == {"/odom", "/alpamayo/trajectories"}
     assert [m.selection_policy for t, m in decoded if t == "/alpamayo/trajectories"] == ["first", "first"]
+
+
+def test_sim_time_recorder_keeps_the_first_messages_of_a_replay(tmp_path):
+    """With use_sim_time the recorder discovers topics before /clock flows, so the route that
+    opens the replay is recorded (stamped at the first clock time), not lost."""
+    src, out = tmp_path / "src", tmp_path / "rec"
+    with BagWriter(src, storage="mcap") as w:
+        w.write("/navigation/instruction", "std_msgs/msg/String", T0, w.typestore.types["std_msgs/msg/String"](data="Turn left"))
+        for i in range(1, 21):
+            t = T0 + i * 20_000_000
+            w.write("/odom", "nav_msgs/msg/Odometry", t, w.odometry(t, (0.2 * i, 0.0, 0.0), (0.0, 0.0, 0.0, 1.0)))
+    env = ros_env(unique_domain_id())
+    rec_log = tmp_path / "record.log"
+    with open(rec_log, "wb") as log:
+        rec = subprocess.Popen([str(VENV_BIN / "alpamayo-record"), "--topics", "/navigation/instruction", "/odom",
+                                "--out", str(out), "--ros-args", "-p", "use_sim_time:=true"],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        play = subprocess.run([str(VENV_BIN / "alpamayo-replay"), str(src), "--wait-timeout", "60"],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert play.returncode == 0, play.stdout + play.stderr
+        assert "no subscriber" not in play.stdout + play.stderr  # the recorder was listening before /clock
+    finally:
+        code = stop_process(rec, timeout_s=30)
+    assert code == 0, rec_log.read_text()
+    assert bag_topics(out) == bag_topics(src)
+    (route,) = read_messages(out, topics=["/navigation/instruction"])
+    assert route.msg.data == "Turn left" and T0 <= route.log_time_ns <= T0 + 20 * 20_000_000

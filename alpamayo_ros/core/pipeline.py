@@ -31,7 +31,7 @@ from .expert import ActionExpertModel
 from .frame_cache import FrameCache, frame_key
 from .preprocess import PreprocessedImages
 from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
-from .tokenizer import AlpamayoTokenizer, extract_between
+from .tokenizer import AlpamayoTokenizer, extract_between, extract_reasoning
 from .types import DrivingInput, Plan, PlanCancelled, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -243,13 +243,14 @@ class Pipeline:
             accel = action[..., 0] * space.accel_std + space.accel_mean
             curvature = action[..., 1] * space.curvature_std + space.curvature_mean
         timings["total"] = (time.perf_counter() - total_start) * 1e3
+        reasoning = [
+            extract_reasoning(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
+            for row in rollout.generated_ids
+        ]
         return Plan(
             xyz=xyz.float().cpu().numpy(),
             rot=rot.float().cpu().numpy(),
-            coc=[
-                extract_between(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
-                for row in rollout.generated_ids
-            ],
+            coc=[text for text, _ in reasoning],
             generated_ids=[list(row) for row in rollout.generated_ids],
             t0_ns=inputs.t0_ns,
             backend=self.backbone.name,
@@ -257,6 +258,7 @@ class Pipeline:
             accel_mps2=accel.numpy(),
             curvature_per_m=curvature.numpy(),
             within_bounds=self.action_space.is_within_bounds(action).numpy(),
+            reasoning_closed=[closed for _, closed in reasoning],
         )
 
     def _check_stop(self) -> None:

@@ -258,3 +258,13 @@ def extract_between(text: str, key: str) -> str:
     start = special_token(f"{key}_start")
     index = before_end.rfind(start)
     return (before_end[index + len(start) :] if index != -1 else before_end).strip()
+
+
+def extract_reasoning(text: str, key: str) -> tuple[str, bool]:
+    """(text, closed): extract_between's text when `<|key_end|>` came, else what was generated
+    after the last `<|key_start|>` (the token budget ran out), so the caller can show it as unclosed."""
+    if special_token(f"{key}_end") in text:
+        return extract_between(text, key), True
+    start = special_token(f"{key}_start")
+    index = text.rfind(start)
+    return (text[index + len(start) :] if index != -1 else text).strip(), False

@@ -97,7 +97,8 @@ class Plan:
 
     xyz: float32 (samples, 64, 3) waypoints at t0+0.1 ... t0+6.4 s in the t0 ego frame (m).
     rot: float32 (samples, 64, 3, 3) yaw rotations of those waypoints.
-    coc: chain-of-causation text per sample.
+    coc: chain-of-causation text per sample; when generation stopped before <|cot_end|> (token
+        budget), the text generated so far, and reasoning_closed says so.
     generated_ids: reasoning token ids per sample (up to and including <|traj_future_start|>).
     timings_ms: stage name -> milliseconds (preprocess, backbone, expert, action, total, ...).
     accel_mps2, curvature_per_m: float32 (samples, 64) the model's actions, de-normalised
@@ -115,6 +116,7 @@ class Plan:
     accel_mps2: np.ndarray | None = None
     curvature_per_m: np.ndarray | None = None
     within_bounds: np.ndarray | None = None
+    reasoning_closed: list[bool] = field(default_factory=list)  # per sample: False = coc cut at the token budget
 
     @property
     def yaw(self) -> np.ndarray:

@@ -27,6 +27,7 @@ from alpamayo_ros.inputs.messages import compressed_image_to_rgb, raw_image_to_r
 IMAGE = "sensor_msgs/msg/Image"
 COMPRESSED_IMAGE = "sensor_msgs/msg/CompressedImage"
 ODOMETRY = "nav_msgs/msg/Odometry"
+STRING = "std_msgs/msg/String"  # the navigation route
 TRAJECTORY_SET = "alpamayo_ros_msgs/msg/TrajectorySet"  # the drive node's plans
 
 

@@ -2,9 +2,10 @@
 
 The demo process renders the road for a few small cameras, publishes them with odometry and
 /clock, and moves the ego vehicle along the plans the drive node (its console script, a
-separate process, on simulated time) publishes. Simulated time waits for the node: it runs
-at most real time, and never more than one planning period plus a little ahead of the
-newest plan, so a slow CPU model still drives the car as if it planned in time. Everything is
+separate process, on simulated time) publishes. By default the loop runs in lockstep: simulated
+time (at most real time) stops at every planning tick until that tick's plan arrives, so a slow
+CPU model drives the car as if it planned in time and the same seed gives the same drive and
+report. --no-lockstep lets time run on while the node plans (bounded waits). Everything is
 recorded to MCAP; afterwards the evaluator re-plans at the node's t0s from the recording
 (the node's input code, the same checkpoint and seed), scores the plans against the driven
 path and checks that it reproduces the node's plans.
@@ -18,6 +19,7 @@ import math
 import shutil
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,12 +31,14 @@ from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.serialization import serialize_message
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
-from alpamayo_ros.eval.bags import BagWriter
-from alpamayo_ros.eval.evaluate import RecordedPlans, drive_settings, evaluate_bag, load_pipeline, plan_differences
+from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter
+from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_pipeline
+from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.metrics import summarize
 from alpamayo_ros.eval.processes import start_console_script, stop_process
 from alpamayo_ros.eval.record import Recorder
@@ -64,6 +68,11 @@ FRAME_EVERY = 5  # camera frames at 10 Hz
 # Simulated time starts here (0 would look like an unset clock); the 50 ms offset keeps camera
 # frames between the node's planning ticks, which fall on whole periods of simulated time.
 SIM_START_NS = 1_000 * NS + 50_000_000
+# Lockstep waits at every tick from the first one that can plan: its newest frame (frames every
+# 0.1 s from the drive's start, odometry every 20 ms) has 1.5 s of odometry before it. Earlier
+# ticks are rejected (history_short); a plannable tick left unwaited would still be planning at
+# the next tick, which the node then skips.
+FIRST_PLANNABLE_FRAME_NS = 1_600_000_000
 
 
 @dataclass
@@ -77,8 +86,10 @@ class DemoOptions:
     max_reasoning_tokens: int = 8
     cameras: int = 3  # front, front-left, front-right; fewer = faster CPU plans
     speed_mps: float = 8.0
-    plan_timeout_s: float = 15.0  # wall seconds to wait for the node before moving on without a plan
+    plan_timeout_s: float = 15.0  # free-running: wall seconds to wait for the node before moving on without a plan
     ready_timeout_s: float = 300.0
+    lockstep: bool = True  # the world waits for the plan of every planning tick: same seed, same drive
+    lockstep_timeout_s: float = 600.0  # lockstep: a plan slower than this is a hang (the demo fails)
     extra_params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,7 +101,7 @@ def node_parameters(opts: DemoOptions, rig: Sequence[PinholeCamera], checkpoint:
     """The drive node's parameters for this scene (written to drive.yaml, reused by the evaluator)."""
     return {
         "use_sim_time": True,
-        "model.checkpoint_path": str(checkpoint),
+        "model.checkpoint_path": str(Path(checkpoint).resolve()),  # the evaluator may run elsewhere
         "cameras.topics": [camera_topic(c) for c in rig],
         "cameras.indices": [c.index for c in rig],
         "cameras.transports": ["compressed"] * len(rig),
@@ -143,6 +154,7 @@ class DemoScene:
 
     def __init__(self, opts: DemoOptions, rig: Sequence[PinholeCamera], writer: BagWriter) -> None:
         self.opts, self.rig = opts, rig
+        self.rig_by_index = {c.index: c for c in rig}
         self.road = Road.winding()
         self.renderer = Renderer(self.road, tuple(rig))
         self.vehicle = Vehicle.on_road(self.road, speed=opts.speed_mps)
@@ -160,8 +172,11 @@ class DemoScene:
         self.node_state = "not started"
         self.handled = 0
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
-        self.recorder = Recorder(self.node, writer, [camera_topic(c) for c in rig] + [ODOM] + NODE_OUTPUTS,
-                                 clock=lambda: self.sim_ns)
+        # The scene's own sensors go into the bag at their simulated time, exactly; the node's outputs
+        # are recorded as they arrive. Both start with the drive, not during the model load.
+        self.writer, self.recording, self.sensor_counts = writer, False, Counter()
+        self.recorder = Recorder(self.node, writer, NODE_OUTPUTS, clock=lambda: self.sim_ns)
+        self.recorder.active = False
         self.executor = SingleThreadedExecutor()
         self.executor.add_node(self.node)
         self.plans_waited_out = 0  # waits that ended by timeout
@@ -198,12 +213,23 @@ class DemoScene:
         odom.pose.pose.orientation.z, odom.pose.pose.orientation.w = math.sin(pose.yaw / 2), math.cos(pose.yaw / 2)
         odom.twist.twist.linear.x, odom.twist.twist.angular.z = self.vehicle.speed, yaw_rate
         self.odom_pub.publish(odom)
+        self._record(ODOM, ODOMETRY, odom)
         if step % FRAME_EVERY == 0:
             for index, image in self.renderer.render_rig(pose).items():
                 msg = CompressedImage()
                 msg.header.stamp, msg.header.frame_id, msg.format = stamp, CAMERAS[index][0], "jpeg"
                 msg.data = _jpeg(image)
                 self.camera_pubs[index].publish(msg)
+                self._record(camera_topic(self.rig_by_index[index]), COMPRESSED_IMAGE, msg)
+
+    def _record(self, topic: str, msgtype: str, msg: Any) -> None:
+        if self.recording:
+            self.writer.write_raw(topic, msgtype, self.sim_ns, serialize_message(msg))
+            self.sensor_counts[topic] += 1
+
+    def start_recording(self) -> None:
+        """Sensors from now on; node outputs from the next step on, so the bag starts with a sensor."""
+        self.recording = True
 
     def wait_until_ready(self, node_process: subprocess.Popen) -> None:
         """Advance the clock in real time (no sensors) until the node reports ready."""
@@ -217,8 +243,75 @@ class DemoScene:
             self.publish_clock()
             self.spin(0.1)
 
+    def step_world(self, step: int) -> None:
+        """Move the vehicle one step along the newest plan (or cruise) and publish its sensors."""
+        dt = STEP_NS / NS
+        yaw_before = self.vehicle.pose.yaw
+        target = self.follower.target(self.sim_ns + STEP_NS)
+        if target is None:
+            self.vehicle.cruise(dt)
+        else:
+            self.vehicle.follow(target, dt)
+        self.sim_ns += STEP_NS
+        self.follower.log_pose(self.sim_ns, self.vehicle.pose)
+        turned = (self.vehicle.pose.yaw - yaw_before + math.pi) % (2 * math.pi) - math.pi
+        self.publish_state(step, turned / dt)
+
+    def drive_lockstep(self, node_process: subprocess.Popen) -> None:
+        """The closed loop in lockstep: simulated time stops at every planning tick that can plan
+        until that tick's plan arrives, so the drive does not depend on how fast the node is.
+
+        The drive starts 50 ms past a whole planning period (whatever the model's load time), so
+        camera frames fall between the node's ticks, which lie on whole periods of simulated time.
+        """
+        period_ns = int(NS / self.opts.rate_hz)
+        while (self.sim_ns - SIM_START_NS) % period_ns != 0:  # clock only, no sensors: align the start
+            self.sim_ns += min(STEP_NS, period_ns - (self.sim_ns - SIM_START_NS) % period_ns)
+            self.publish_clock()
+            self.spin(0.005)
+        start_ns = self.sim_ns
+        self.follower.log_pose(start_ns, self.vehicle.pose)
+        self.start_recording()
+        first_plan_ns = start_ns + FIRST_PLANNABLE_FRAME_NS + 1  # ticks after that frame can plan
+        next_tick = start_ns - start_ns % period_ns + period_ns
+        wall0 = time.monotonic()
+        step = 0
+        while self.sim_ns - start_ns < self.opts.duration_s * NS:
+            if node_process.poll() is not None:
+                raise RuntimeError(f"drive node exited with code {node_process.returncode} while driving")
+            step += 1
+            self.step_world(step)
+            self.recorder.active = True
+            if self.sim_ns >= next_tick and next_tick >= first_plan_ns:
+                plan_before = self.follower.plan_t0
+                self.spin(0.05)  # the sensors reach the node before the clock passes the tick
+                self.publish_clock()
+                self._await_plan(plan_before, next_tick, node_process)
+                wall0 = time.monotonic() - (self.sim_ns - start_ns) / NS
+            else:
+                self.publish_clock()
+            if self.sim_ns >= next_tick:
+                next_tick += period_ns
+            self.spin(max(0.0, (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)))  # at most real time
+
+    def _await_plan(self, plan_before: int | None, tick_ns: int, node_process: subprocess.Popen) -> None:
+        started = time.monotonic()
+        handled_before = self.handled  # a tick the node rejects (diagnostics) ends the wait too, without a plan
+        while self.follower.plan_t0 == plan_before and self.handled == handled_before:
+            if not rclpy.ok():
+                raise ExternalShutdownException()
+            if node_process.poll() is not None:
+                raise RuntimeError(f"drive node exited with code {node_process.returncode} while planning")
+            if time.monotonic() - started > self.opts.lockstep_timeout_s:
+                raise RuntimeError(f"lockstep: no plan for the tick at {tick_ns / NS:.2f} s within "
+                                   f"{self.opts.lockstep_timeout_s:.0f} s (node state: {self.node_state})")
+            self.spin(0.02)
+        self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
+        if self.follower.plan_t0 == plan_before:
+            logger.warning("lockstep: the node rejected the tick at %.2f s (see its diagnostics); driving on", tick_ns / NS)
+
     def drive(self, node_process: subprocess.Popen) -> None:
-        """The closed loop: step the world, publish, follow plans, wait for a lagging node."""
+        """Free-running closed loop: step the world, publish, follow plans, wait (bounded) for a lagging node."""
         # Pause at most this far past the newest plan's t0, which is just after the next planning
         # tick: the node then plans with the world paused, so no sensor data piles up meanwhile.
         period_ns = int(NS / self.opts.rate_hz)
@@ -226,7 +319,6 @@ class DemoScene:
         start_ns = self.sim_ns
         reference = start_ns + 2 * NS - lead_ns  # the first plan needs 1.5 s of history
         wall0 = time.monotonic()
-        dt = STEP_NS / NS
         step = 0
         while self.sim_ns - start_ns < self.opts.duration_s * NS:
             if node_process.poll() is not None:
@@ -235,17 +327,8 @@ class DemoScene:
                 if not self._wait_for_node():
                     reference = self.sim_ns - (lead_ns - period_ns)  # no plan this tick: next pause one period on
                 wall0 = time.monotonic() - (self.sim_ns - start_ns) / NS  # do not sprint to catch up
-            yaw_before = self.vehicle.pose.yaw
-            target = self.follower.target(self.sim_ns + STEP_NS)
-            if target is None:
-                self.vehicle.cruise(dt)
-            else:
-                self.vehicle.follow(target, dt)
-            self.sim_ns += STEP_NS
             step += 1
-            self.follower.log_pose(self.sim_ns, self.vehicle.pose)
-            turned = (self.vehicle.pose.yaw - yaw_before + math.pi) % (2 * math.pi) - math.pi
-            self.publish_state(step, turned / dt)
+            self.step_world(step)
             self.publish_clock()  # after the sensors, so a tick at this time finds them sent
             ahead = (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)
             self.spin(max(0.0, ahead))  # at most real time
@@ -269,7 +352,8 @@ class DemoScene:
 
     def summary(self, started_monotonic: float) -> dict[str, Any]:
         return {"plans_followed": len(self.follower.world_plans), "clamped_steps": self.vehicle.clamped_steps,
-                "plans_waited_out": self.plans_waited_out, "recorded": dict(self.recorder.counts),
+                "plans_waited_out": self.plans_waited_out, "recorded": {**self.sensor_counts, **self.recorder.counts},
+                "lockstep": self.opts.lockstep,
                 "node_state": self.node_state, "drive_wall_s": time.monotonic() - started_monotonic}
 
     def driven_xy(self) -> np.ndarray:
@@ -316,8 +400,13 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             logger.info("waiting for the drive node (model load and warm-up; log: %s)", out / "node.log")
             scene.wait_until_ready(node_process)
             logger.info("node ready after %.0f s; driving %.0f simulated seconds", time.monotonic() - started, opts.duration_s)
-            scene.follower.log_pose(scene.sim_ns, scene.vehicle.pose)
-            scene.drive(node_process)
+            if opts.lockstep:
+                scene.drive_lockstep(node_process)
+            else:
+                scene.start_recording()
+                scene.recorder.active = True
+                scene.follower.log_pose(scene.sim_ns, scene.vehicle.pose)
+                scene.drive(node_process)
             scene.spin(0.5)  # let the last outputs arrive before the recording closes
             drive = scene.summary(started)
     finally:
@@ -367,11 +456,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-reasoning-tokens", type=int, default=8)
     parser.add_argument("--cameras", type=int, choices=(1, 2, 3), default=3, help="cameras in the rig (1 = front only)")
     parser.add_argument("--device", default="cpu", help="model.device of the node (cuda for real weights on a GPU)")
+    parser.add_argument("--no-lockstep", action="store_true",
+                        help="let simulated time run while the node plans (closer to a live car, not repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     extra = {"model.device": args.device} if args.device != "cpu" else {}
     opts = DemoOptions(out=args.out, checkpoint=args.checkpoint, duration_s=args.duration, rate_hz=args.rate,
-                       max_reasoning_tokens=args.max_reasoning_tokens, cameras=args.cameras, extra_params=extra)
+                       max_reasoning_tokens=args.max_reasoning_tokens, cameras=args.cameras, extra_params=extra,
+                       lockstep=not args.no_lockstep)
     try:
         doc = run_demo(opts)
     except (KeyboardInterrupt, ExternalShutdownException):

@@ -12,31 +12,31 @@ from __future__ import annotations
 import argparse
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import yaml
 from tqdm import tqdm
 
-from alpamayo_ros.core.types import NUM_WAYPOINTS, WAYPOINT_DT_S, DrivingInput, Plan, SamplingSettings
-from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, IMAGE, ODOMETRY, TRAJECTORY_SET, bag_time_range, read_messages
+from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, IMAGE, ODOMETRY, STRING, bag_time_range, bag_topics, read_messages
+from alpamayo_ros.eval.ground_truth import FUTURE_DETAILS, OdometryTrack
 from alpamayo_ros.eval.metrics import PlanScore, score_plan
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, write_report
 from alpamayo_ros.inputs import Rejection
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
-from alpamayo_ros.inputs.ego_history import OdometryBuffer, quaternion_to_matrix
+from alpamayo_ros.inputs.ego_history import OdometryBuffer
 from alpamayo_ros.inputs.frame_sync import FrameSync
+from alpamayo_ros.inputs.route import RouteRejected, check_route
 from alpamayo_ros.inputs.messages import (ImageRejected, compressed_image_to_rgb, fit_image, odometry_pose,
                                           raw_image_to_rgb, stamp_to_ns)
-from alpamayo_ros.settings import SPECS, DriveSettings, ParameterError, parse_settings
+from alpamayo_ros.settings import SPECS, DriveSettings, parse_settings
 
 logger = logging.getLogger(__name__)
 
 NS_PER_S = 1_000_000_000
-FUTURE_UNAVAILABLE = "future_unavailable"  # the bag's odometry does not cover t0 .. t0 + 6.4 s
-FUTURE_GAP = "future_gap"  # odometry gap inside the future window
 PLAN_FAILED = "plan_failed"  # the planner raised
 
 
@@ -48,7 +48,10 @@ class Planner(Protocol):
 
 def load_params_file(path: str | Path) -> dict[str, Any]:
     """Flatten a ROS params YAML (any node key, nested or dotted names) to name -> value."""
-    doc = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"params file {path}: {exc}") from None
     values: dict[str, Any] = {}
 
     def flatten(prefix: str, node: Any) -> None:
@@ -58,7 +61,7 @@ def load_params_file(path: str | Path) -> dict[str, Any]:
         else:
             values[prefix] = node
 
-    for section in doc.values():
+    for section in doc.values() if isinstance(doc, dict) else ():
         if isinstance(section, dict) and "ros__parameters" in section:
             flatten("", section["ros__parameters"])
     if not values:
@@ -70,92 +73,21 @@ def load_params_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def drive_settings(params_file: str | Path | None, overrides: dict[str, Any], *, check_paths: bool = True) -> DriveSettings:
-    """Node defaults <- params file <- command-line overrides, validated by the node's parser."""
+def settings_values(params_file: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Node defaults <- params file <- command-line overrides (None = not given), unvalidated.
+
+    Plain name -> value data: what a Ray worker receives to build the same settings.
+    """
     values = {name: spec.default for name, spec in SPECS.items()}
     if params_file is not None:
         values.update(load_params_file(params_file))
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return parse_settings(values, check_paths=check_paths)
+    return values
 
 
-@dataclass(frozen=True)
-class OdometryTrack:
-    """Every odometry pose of a bag (header stamps, odometry frame), for the recorded future."""
-
-    stamps_ns: np.ndarray
-    xyz: np.ndarray
-
-    @classmethod
-    def from_bag(cls, bag: Path, topic: str) -> OdometryTrack:
-        stamps, xyz = [], []
-        for m in read_messages(bag, topics=[topic]):
-            p = m.msg.pose.pose.position
-            stamps.append(stamp_to_ns(m.msg.header.stamp))
-            xyz.append((p.x, p.y, p.z))
-        order = np.argsort(np.asarray(stamps, dtype=np.int64), kind="stable")
-        stamps_arr = np.asarray(stamps, dtype=np.int64)[order]
-        keep = np.concatenate([[True], np.diff(stamps_arr) > 0]) if len(stamps_arr) else np.zeros(0, bool)
-        return cls(stamps_ns=stamps_arr[keep], xyz=np.asarray(xyz, dtype=np.float64).reshape(-1, 3)[order][keep])
-
-    def future(self, assembly: Assembly, max_gap_ns: int) -> np.ndarray | str:
-        """Recorded positions at t0 + 0.1 ... 6.4 s in the t0 ego frame, or a skip reason."""
-        t0 = assembly.driving_input.t0_ns
-        targets = t0 + np.arange(1, NUM_WAYPOINTS + 1, dtype=np.int64) * int(WAYPOINT_DT_S * NS_PER_S)
-        if len(self.stamps_ns) < 2 or targets[-1] > self.stamps_ns[-1]:
-            return FUTURE_UNAVAILABLE
-        right = np.searchsorted(self.stamps_ns, targets, side="left")
-        left = np.maximum(right - 1, 0)
-        if (self.stamps_ns[right] - self.stamps_ns[left]).max() > max_gap_ns:
-            return FUTURE_GAP
-        span = np.maximum(self.stamps_ns[right] - self.stamps_ns[left], 1)
-        w = ((targets - self.stamps_ns[left]) / span)[:, None]
-        xyz = self.xyz[left] + w * (self.xyz[right] - self.xyz[left])
-        ego = assembly.ego
-        return ((xyz - ego.xyz_t0) @ ego.rot_t0).astype(np.float32)  # R_t0^T (p - p_t0), as the history
-
-
-class RecordedPlans:
-    """The plans a node published (TrajectorySet in its ego frame), looked up by t0.
-
-    Scores what the node actually did online without running a model, and gives the t0s at
-    which an offline re-plan must reproduce the node's plans.
-    """
-
-    def __init__(self, bag: str | Path, topic: str, ego_frame_id: str) -> None:
-        self.plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # t0 -> (xyz (S, N, 3), quat xyzw (S, N, 4))
-        for m in read_messages(bag, topics=[topic]):
-            if m.msgtype != TRAJECTORY_SET:
-                raise ValueError(f"plans topic {topic}: is {m.msgtype}, expected {TRAJECTORY_SET}")
-            if m.msg.header.frame_id != ego_frame_id or not m.msg.samples:
-                raise ValueError(f"plans topic {topic}: need plans in the ego frame {ego_frame_id!r} (output.frame: ego), "
-                                 f"got frame {m.msg.header.frame_id!r} with {len(m.msg.samples)} samples")
-            poses = [[(p.position, p.orientation) for p in s.poses] for s in m.msg.samples]
-            self.plans[stamp_to_ns(m.msg.header.stamp)] = (
-                np.array([[(p.x, p.y, p.z) for p, _ in row] for row in poses], dtype=np.float32),
-                np.array([[(q.x, q.y, q.z, q.w) for _, q in row] for row in poses], dtype=np.float64))
-        if not self.plans:
-            raise ValueError(f"plans topic {topic}: no messages in {bag}")
-
-    @property
-    def t0s_ns(self) -> list[int]:
-        return sorted(self.plans)
-
-    def plan(self, driving_input: DrivingInput, settings: SamplingSettings) -> Plan:
-        if driving_input.t0_ns not in self.plans:
-            raise KeyError(f"no recorded plan for t0 {driving_input.t0_ns}")
-        xyz, quat = self.plans[driving_input.t0_ns]
-        return Plan(xyz=xyz, rot=quaternion_to_matrix(quat).astype(np.float32), coc=[""] * len(xyz),
-                    generated_ids=[[] for _ in xyz], t0_ns=driving_input.t0_ns, backend="recorded")
-
-
-def plan_differences(result: BagResult, recorded: RecordedPlans) -> dict[int, float]:
-    """t0 -> largest waypoint distance (m) between a re-planned and the recorded plan."""
-    out = {}
-    for t in result.scored:
-        if t.t0_ns in recorded.plans and recorded.plans[t.t0_ns][0].shape == t.plan.xyz.shape:
-            out[t.t0_ns] = float(np.abs(t.plan.xyz - recorded.plans[t.t0_ns][0]).max())
-    return out
+def drive_settings(params_file: str | Path | None, overrides: dict[str, Any], *, check_paths: bool = True) -> DriveSettings:
+    """settings_values validated by the node's parser."""
+    return parse_settings(settings_values(params_file, overrides), check_paths=check_paths)
 
 
 @dataclass
@@ -169,7 +101,7 @@ class TickResult:
     score: PlanScore | None = None
     plan: Plan | None = None
     true_xyz: np.ndarray | None = None
-    assembly: Assembly | None = None
+    inputs: DrivingInput | None = None  # what the planner got (after compact(): the newest frames only)
 
     def to_json(self, bag_start_ns: int) -> dict[str, Any]:
         out: dict[str, Any] = {"tick_s": (self.tick_ns - bag_start_ns) / NS_PER_S, "t0_ns": self.t0_ns}
@@ -178,7 +110,8 @@ class TickResult:
             return out
         out.update(min_ade=self.score.min_ade, mean_ade=self.score.mean_ade, min_fde=self.score.min_fde,
                    ade=self.score.ade, fde=self.score.fde, best_sample=self.score.best_sample,
-                   coc=self.plan.coc, timings_ms=self.plan.timings_ms)
+                   route=self.inputs.route_text if self.inputs is not None else None,
+                   coc=self.plan.coc, reasoning_closed=self.plan.reasoning_closed, timings_ms=self.plan.timings_ms)
         return out
 
 
@@ -188,6 +121,8 @@ class BagResult:
     start_ns: int
     ticks: list[TickResult] = field(default_factory=list)
     dropped_images: dict[str, int] = field(default_factory=dict)  # reason -> count, as the node counts
+    refused_routes: dict[str, int] = field(default_factory=dict)  # reason -> count (inputs.route.check_route)
+    timeline_jumps: int = 0  # odometry stamps went back this often (see ground_truth)
 
     @property
     def scored(self) -> list[TickResult]:
@@ -196,14 +131,42 @@ class BagResult:
     def skipped(self) -> Counter:
         return Counter(t.skip_reason for t in self.ticks if t.skip_reason)
 
+    def compact(self) -> BagResult:
+        """The same result keeping only each input's newest frame (what the report draws), so a
+        Ray worker ships megabytes, not every frame of every tick."""
+        ticks = [replace(t, inputs=replace(t.inputs, images=t.inputs.images[:, -1:],
+                                           frame_stamps_ns=t.inputs.frame_stamps_ns[:, -1:]))
+                 if t.inputs is not None else t for t in self.ticks]
+        return replace(self, ticks=ticks)
+
+
+def check_bag(path: str | Path) -> Path:
+    """The bag directory, or ValueError (one line, naming the path) when it is none.
+
+    Cheap on purpose (thousands of bags are checked before any model loads); a bag whose content
+    is damaged fails when it is read, as a result of its own in the report.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"bag {path}: no such file or directory")
+    if not (path / "metadata.yaml").is_file():
+        raise ValueError(f"bag {path}: not a rosbag2 directory (no metadata.yaml)")
+    return path
+
 
 def _bag_messages(bag: Path, settings: DriveSettings) -> Iterator[tuple[int, str, Any]]:
-    """(log time, topic, message) of the configured topics, checked against the node's types."""
+    """(log time, topic, message) of the configured topics, checked against the node's types.
+
+    The navigation topic is optional (a bag without a route plans without one, as the node does).
+    """
     expected = {c.topic: IMAGE if c.transport == "raw" else COMPRESSED_IMAGE for c in settings.cameras}
     expected[settings.odometry_topic] = ODOMETRY
+    if settings.navigation_topic in bag_topics(bag):
+        expected[settings.navigation_topic] = STRING
+    keys = {settings.odometry_topic: "odometry.topic", settings.navigation_topic: "navigation.topic"}
     for m in read_messages(bag, topics=list(expected)):
         if m.msgtype != expected[m.topic]:
-            key = "odometry.topic" if m.topic == settings.odometry_topic else "cameras.transports"
+            key = keys.get(m.topic, "cameras.transports")
             raise ValueError(f"{key}: {m.topic} carries {m.msgtype} in {bag}, the node would subscribe {expected[m.topic]}")
         yield m.log_time_ns, m.topic, m.msg
 
@@ -216,11 +179,16 @@ class InputFeed:
         self.sync: FrameSync[np.ndarray] = FrameSync(settings.frame_sync)
         self.odometry = OdometryBuffer(settings.ego_history)
         self._cameras = {c.topic: c for c in settings.cameras}
+        self._route: tuple[str, int] | None = None  # (checked text, log time of arrival)
         self.dropped: Counter = Counter()
+        self.refused_routes: Counter = Counter()
 
-    def add(self, topic: str, msg: Any) -> None:
+    def add(self, log_ns: int, topic: str, msg: Any) -> None:
         if topic == self.settings.odometry_topic:
             self.odometry.add(*odometry_pose(msg))
+            return
+        if topic == self.settings.navigation_topic:
+            self._on_route(log_ns, msg.data)
             return
         camera = self._cameras[topic]
         decode = raw_image_to_rgb if camera.transport == "raw" else compressed_image_to_rgb
@@ -231,19 +199,44 @@ class InputFeed:
             return
         self.sync.add(camera.index, stamp_to_ns(msg.header.stamp), image)
 
-    def build(self, now_ns: int | None, t0_ns: int | None = None) -> Assembly | Rejection:
-        return build_driving_input(self.sync, self.odometry, now_ns=now_ns, t0_ns=t0_ns)
+    def _on_route(self, log_ns: int, text: str) -> None:
+        """The route check the node applies at arrival: a refused route is counted and dropped."""
+        try:
+            route = check_route(text)
+        except RouteRejected as exc:
+            logger.warning("navigation.topic: route refused at log time %d (%s); planning goes on without it", log_ns, exc)
+            self.refused_routes[exc.reason] += 1
+            route = None
+        self._route = (route, log_ns) if route else None
+
+    def route_at(self, now_ns: int) -> str | None:
+        """The route the node would plan with at now_ns (navigation.max_age_s freshness)."""
+        if self._route is None:
+            return None
+        text, arrived_ns = self._route
+        max_age_ns = self.settings.navigation_max_age_ns
+        return text if max_age_ns == 0 or now_ns - arrived_ns <= max_age_ns else None
+
+    def build(self, tick_ns: int, t0_ns: int | None = None) -> Assembly | Rejection:
+        """The input at tick_ns (the node clock); with t0_ns forced, camera staleness is not checked."""
+        return build_driving_input(self.sync, self.odometry, now_ns=tick_ns if t0_ns is None else None, t0_ns=t0_ns,
+                                   route_text=self.route_at(tick_ns))
 
 
 def evaluate_bag(bag: str | Path, planner: Planner, settings: DriveSettings, *, max_ticks: int | None = None,
-                 t0s_ns: Sequence[int] | None = None, progress: bool = False) -> BagResult:
+                 t0s_ns: Sequence[int] | None = None, progress: bool = False,
+                 on_tick: Callable[[int, int], None] | None = None) -> BagResult:
     """Step one bag at settings' planning rate and score every plan (see module docstring).
 
     t0s_ns: plan exactly at these times instead (e.g. the t0s the node planned for online):
         messages logged up to t0 plus the frame-matching slack are fed, and t0 is forced.
+    on_tick: called with (ticks done, ticks in this bag) after every tick (a worker's progress).
     """
     bag = Path(bag)
     track = OdometryTrack.from_bag(bag, settings.odometry_topic)
+    if track.jumps:
+        logger.warning("%s: odometry stamps jump back %d time(s); ground truth is taken within one timeline",
+                       bag, track.jumps)
     feed = InputFeed(settings)
     start_ns, end_ns = bag_time_range(bag)
     if t0s_ns is None:
@@ -258,34 +251,36 @@ def evaluate_bag(bag: str | Path, planner: Planner, settings: DriveSettings, *, 
         ticks = ticks[:max_ticks]
     messages = _bag_messages(bag, settings)
     pending = next(messages, None)
-    result = BagResult(bag=bag, start_ns=start_ns)
+    result = BagResult(bag=bag, start_ns=start_ns, timeline_jumps=track.jumps)
     for tick in tqdm(ticks, desc=bag.name, unit="tick", disable=not progress):
         while pending is not None and pending[0] <= tick + slack_ns:  # everything that had arrived
-            feed.add(pending[1], pending[2])
+            feed.add(*pending)
             pending = next(messages, None)
         forced_t0 = None if t0s_ns is None else tick
         result.ticks.append(_tick(tick, feed, track, planner, settings, forced_t0))
+        if on_tick is not None:
+            on_tick(len(result.ticks), len(ticks))
     result.dropped_images = dict(feed.dropped)
+    result.refused_routes = dict(feed.refused_routes)
     return result
 
 
 def _tick(tick: int, feed: InputFeed, track: OdometryTrack, planner: Planner, settings: DriveSettings,
           forced_t0: int | None) -> TickResult:
-    built = feed.build(None if forced_t0 is not None else tick, forced_t0)
+    built = feed.build(tick, forced_t0)
     if isinstance(built, Rejection):
         return TickResult(tick, skip_reason=built.reason.value, skip_detail=built.detail)
     t0 = built.driving_input.t0_ns
-    future = track.future(built, settings.ego_history.max_gap_ns)
+    future = track.future(built, tick, settings.ego_history.max_gap_ns)
     if isinstance(future, str):
-        detail = {FUTURE_UNAVAILABLE: "recorded odometry ends before t0 + 6.4 s",
-                  FUTURE_GAP: "recorded odometry has a gap inside t0 .. t0 + 6.4 s"}[future]
-        return TickResult(tick, t0, skip_reason=future, skip_detail=detail)
+        return TickResult(tick, t0, skip_reason=future, skip_detail=FUTURE_DETAILS[future])
     try:
         plan = planner.plan(built.driving_input, settings.sampling)
     except Exception as exc:  # a failing plan is a result to report, as the node reports it
         logger.exception("planner failed at t0 %d", t0)
         return TickResult(tick, t0, skip_reason=PLAN_FAILED, skip_detail=f"{type(exc).__name__}: {exc}")
-    return TickResult(tick, t0, score=score_plan(plan.xyz, future), plan=plan, true_xyz=future, assembly=built)
+    return TickResult(tick, t0, score=score_plan(plan.xyz, future), plan=plan, true_xyz=future,
+                      inputs=built.driving_input)
 
 
 def _camera_arg(text: str) -> CameraProjection:
@@ -297,8 +292,10 @@ def _camera_arg(text: str) -> CameraProjection:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="alpamayo-eval", description=__doc__.splitlines()[0])
-    parser.add_argument("bags", nargs="+", type=Path, help="rosbag2 directories (sqlite3 or MCAP)")
-    parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (not needed with --plans-topic)")
+    parser.add_argument("bags", nargs="*", type=Path, help="rosbag2 directories (sqlite3 or MCAP)")
+    parser.add_argument("--clips", type=Path, metavar="LIST", help="file of PhysicalAI-AV clip ids, one per line (with --pai-root)")
+    parser.add_argument("--pai-root", type=Path, metavar="DIR", help="local PhysicalAI-AV copy the clips are converted from")
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: model.checkpoint_path of --params-file)")
     parser.add_argument("--params-file", type=Path, help="the node's YAML (e.g. config/drive.yaml): topics, sync, sampling")
     parser.add_argument("--out", type=Path, default=Path("eval_out"), help="report directory")
     parser.add_argument("--rate", type=float, help="planning rate (Hz); default planning.rate_hz")
@@ -316,49 +313,74 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--plans-topic", help="score the TrajectorySet plans recorded on this topic instead of running a model")
     parser.add_argument("--t0s-from", metavar="TOPIC",
                         help="run the model at the t0s of the plans recorded on TOPIC and report how far its plans differ")
+    parser.add_argument("--ray", action="store_true", help="spread the bags over Ray workers (one model each)")
+    parser.add_argument("--ray-address", metavar="auto|ADDRESS",
+                        help="join a running Ray cluster (default: start a local instance for this run)")
+    parser.add_argument("--workers", type=int, default=2, help="Ray workers (with --ray)")
+    parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each Ray worker reserves (with --ray)")
+    parser.add_argument("--max-attempts", type=int, default=3, help="tries of a bag whose Ray worker dies (with --ray)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    # the job and fleet modules build on this one; imported here, where the command line needs them
+    from alpamayo_ros.eval.jobs import JobOptions, make_jobs, run_here
 
-    if args.checkpoint is None and args.plans_topic is None:
-        parser.error("--checkpoint is required (or score recorded plans with --plans-topic)")
+    if not args.bags and args.clips is None:
+        parser.error("give BAG... and/or --clips LIST --pai-root DIR")
+    if not args.ray and (args.ray_address or args.gpus_per_worker):
+        parser.error("--ray-address/--gpus-per-worker need --ray")
     overrides = {
-        "model.checkpoint_path": str(args.checkpoint or "none (recorded plans)"), "model.backend": args.backend,
+        "model.checkpoint_path": str(args.checkpoint) if args.checkpoint else None, "model.backend": args.backend,
         "model.device": args.device, "planning.rate_hz": args.rate, "cameras.topics": args.camera_topics,
         "cameras.indices": args.camera_indices, "odometry.topic": args.odometry_topic,
         "sampling.num_samples": args.num_samples, "sampling.max_reasoning_tokens": args.max_reasoning_tokens,
         "cameras.transports": args.camera_transports or (["compressed"] * len(args.camera_topics) if args.camera_topics else None),
     }
-    try:
-        settings = drive_settings(args.params_file, overrides, check_paths=args.checkpoint is not None)
-    except ParameterError as exc:
-        parser.error(str(exc))
-    meta: dict[str, Any] = {"checkpoint": str(args.checkpoint) if args.checkpoint else None, "backend": settings.backend}
-    results: list[BagResult] = []
-    differences: dict[int, float] = {}
-    planner: Planner | None = None
-    for bag in args.bags:
-        if args.plans_topic:
-            recorded = RecordedPlans(bag, args.plans_topic, settings.ego_frame_id)
-            results.append(evaluate_bag(bag, recorded, settings, t0s_ns=recorded.t0s_ns, max_ticks=args.max_ticks,
-                                        progress=not args.no_progress))
-            meta["backend"] = f"recorded plans on {args.plans_topic}"
-            continue
-        if planner is None:
-            planner = load_pipeline(settings)
-        online = RecordedPlans(bag, args.t0s_from, settings.ego_frame_id) if args.t0s_from else None
-        results.append(evaluate_bag(bag, planner, settings, t0s_ns=online.t0s_ns if online else None,
-                                    max_ticks=args.max_ticks, progress=not args.no_progress))
-        if online is not None:
-            differences.update(plan_differences(results[-1], online))
+    try:  # every input is checked here, before a model loads
+        values = settings_values(args.params_file, overrides)
+        if not values["model.checkpoint_path"]:
+            if not args.plans_topic:
+                raise ValueError("--checkpoint: required (or model.checkpoint_path in --params-file, "
+                                 "or score recorded plans with --plans-topic)")
+            values["model.checkpoint_path"] = "none (recorded plans)"
+        settings = parse_settings(values, check_paths=not args.plans_topic)
+        jobs = make_jobs(args.bags, args.clips, args.pai_root)
+    except ValueError as exc:
+        parser.exit(2, f"alpamayo-eval: error: {exc}\n")
+    options = JobOptions(max_ticks=args.max_ticks, plans_topic=args.plans_topic, t0s_from=args.t0s_from,
+                         progress=not args.no_progress and not args.ray)
+    if args.ray:
+        from alpamayo_ros.eval.fleet import FleetOptions, run_on_ray
+
+        fleet = FleetOptions(address=args.ray_address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                             max_attempts=args.max_attempts, progress=not args.no_progress)
+        try:
+            summary = run_on_ray(jobs, values, options, fleet)
+        except (RuntimeError, ValueError) as exc:
+            parser.exit(1, f"alpamayo-eval: error: {exc}\n")
+    else:
+        summary = run_here(jobs, settings, options, load_pipeline)
+    outcomes = [o for o in summary.outcomes if o is not None]
+    meta: dict[str, Any] = {"checkpoint": settings.checkpoint_path if options.needs_model else None,
+                            "backend": f"recorded plans on {args.plans_topic}" if args.plans_topic else settings.backend,
+                            "failed": [f.to_json() for f in summary.failures], "interrupted": summary.interrupted,
+                            "unfinished": summary.unfinished(jobs)}
+    if args.ray:
+        meta.update(workers=summary.workers, worker_deaths_retried=summary.retries)
     if args.t0s_from:
+        differences = {t0: d for o in outcomes for t0, d in o.replan_differences.items()}
         meta["replan_max_difference_m"] = max(differences.values()) if differences else None
         meta["replan_compared"] = len(differences)
-    doc = write_report(args.out, results, settings, ReportOptions(camera=args.front_camera), meta)
+    doc = write_report(args.out, [o.result for o in outcomes], settings, ReportOptions(camera=args.front_camera), meta)
     s = doc["summary"]
     logger.info("minADE %.3f m (mean over %d plans), minFDE %.3f m, %.0f%% of %d ticks skipped %s; report in %s",
                 s["min_ade_mean"], s["count"], s["min_fde_mean"], 100 * doc["skipped_share"], doc["ticks_total"],
                 doc["skipped"], args.out)
+    if summary.interrupted:
+        raise SystemExit(130)
+    if summary.failures:
+        logger.error("%d bag(s) failed: %s", len(summary.failures), ", ".join(f.name for f in summary.failures))
+        raise SystemExit(1)
 
 
 def load_pipeline(settings: DriveSettings) -> Planner:

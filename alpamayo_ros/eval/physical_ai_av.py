@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import cv2
 import numpy as np
@@ -151,9 +151,12 @@ def _keep_every(stamps: Iterator[tuple[int, np.ndarray]], hz: float) -> Iterator
 def convert_clip(root: str | Path, clip_id: str, out: str | Path, cameras: Sequence[str] = DEFAULT_CAMERAS,
                  topic_template: str = DEFAULT_TOPIC_TEMPLATE, odom_topic: str = "/odom",
                  camera_hz: float = 10.0, max_width: int = 0, jpeg_quality: int = 90,
-                 start_s: float = 0.0, duration_s: float = 0.0) -> dict[str, int]:
+                 start_s: float = 0.0, duration_s: float = 0.0,
+                 camera_topics: Mapping[str, str] | None = None) -> dict[str, int]:
     """Write the clip as an MCAP bag; returns topic -> message count.
 
+    camera_topics: dataset camera -> topic, instead of topic_template (the evaluator passes the
+        topics of its settings, so a clip converted in a worker matches any params file).
     camera_hz: thin camera streams to this rate (0 keeps every frame); the model uses 10 Hz.
     max_width: downscale wider frames to this width (0 keeps the size).
     start_s / duration_s: window relative to the first egomotion sample (0 duration = to the end).
@@ -177,7 +180,7 @@ def convert_clip(root: str | Path, clip_id: str, out: str | Path, cameras: Seque
                          writer.odometry(stamp, ego.xyz[k], ego.quat_xyzw[k], body_velocity[k], (0.0, 0.0, yaw_rate)))
             counts[odom_topic] = counts.get(odom_topic, 0) + 1
         for camera in cameras:
-            topic = camera_topic(topic_template, camera)
+            topic = camera_topics[camera] if camera_topics else camera_topic(topic_template, camera)
             for stamp, rgb in _keep_every(iter_camera_frames(files, camera), camera_hz):
                 if not begin <= stamp <= end:
                     continue
@@ -205,8 +208,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=0.0, help="window length (0: to the end)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    counts = convert_clip(args.root, args.clip, args.out, args.cameras, args.topic_template, args.odom_topic,
-                          args.camera_hz, args.max_width, args.jpeg_quality, args.start_s, args.duration_s)
+    if args.out.exists():
+        parser.exit(2, f"alpamayo-convert-pai: error: --out {args.out}: already exists (the bag is created there)\n")
+    try:
+        counts = convert_clip(args.root, args.clip, args.out, args.cameras, args.topic_template, args.odom_topic,
+                              args.camera_hz, args.max_width, args.jpeg_quality, args.start_s, args.duration_s)
+    except (ValueError, OSError) as exc:
+        parser.exit(2, f"alpamayo-convert-pai: error: {exc}\n")
     for topic, n in sorted(counts.items()):
         logger.info("%s: %d messages", topic, n)
 

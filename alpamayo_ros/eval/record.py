@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import rclpy
 from rclpy.executors import ExternalShutdownException
+from rclpy.clock import Clock, ClockType
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
@@ -46,12 +47,18 @@ class Recorder:
         self.node, self.writer = node, writer
         self.clock = clock or (lambda: node.get_clock().now().nanoseconds)
         self.pending = {node.resolve_topic_name(t) for t in topics}
+        self.active = True  # False: subscribed, but messages are dropped (a caller's warm-up)
         self.counts: dict[str, int] = {}
         self._subs: list[Any] = []
-        self._discovery = node.create_timer(0.1, self.discover)
+        self._early: list[tuple[str, str, bytes]] = []  # received before the clock started (sim time 0)
+        # Discovery runs on the steady clock: with use_sim_time a node timer waits for /clock, and the
+        # first messages of a replay (often the only route message) would go by unrecorded.
+        self._discovery = node.create_timer(0.1, self.discover, clock=Clock(clock_type=ClockType.STEADY_TIME))
 
     def discover(self) -> None:
         """Subscribe to every pending topic that now has a publisher with a known type."""
+        if self._early and self.clock() > 0:
+            self.flush_early()
         if not self.pending:
             return
         types = dict(self.node.get_topic_names_and_types())
@@ -68,9 +75,26 @@ class Recorder:
 
     def _callback(self, topic: str, msgtype: str) -> Callable[[bytes], None]:
         def write(raw: bytes) -> None:
-            self.writer.write_raw(topic, msgtype, self.clock(), raw)
+            if not self.active:
+                return
+            now = self.clock()
+            if now <= 0:  # use_sim_time before the first /clock: keep it for the first clock time
+                self._early.append((topic, msgtype, bytes(raw)))
+                return
+            if self._early:
+                self.flush_early()
+            self.writer.write_raw(topic, msgtype, now, raw)
             self.counts[topic] += 1
         return write
+
+    def flush_early(self) -> None:
+        """Write the messages that arrived before the clock started, at the clock's current time
+        (0 only when it never started), in arrival order."""
+        now = max(self.clock(), 0)
+        for topic, msgtype, raw in self._early:
+            self.writer.write_raw(topic, msgtype, now, raw)
+            self.counts[topic] += 1
+        self._early.clear()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -101,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rclpy.spin_once(node, timeout_sec=0.05)
             for _ in range(20):  # write what already arrived before closing
                 rclpy.spin_once(node, timeout_sec=0.0)
+            recorder.flush_early()
         logger.info("record: wrote %s: %s", args.out, recorder.counts)
         if recorder.pending:
             logger.warning("record: never saw publishers on %s", sorted(recorder.pending))

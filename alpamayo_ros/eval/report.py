@@ -108,6 +108,24 @@ def write_markdown(path: Path, report: dict[str, Any], notes: Sequence[str] = ()
     for bag in report["bags"]:
         bs = bag["summary"]
         lines.append(f"| `{bag['bag']}` | {bag['ticks_total']} | {bs['count']} | {_fmt(bs['min_ade_mean'])} | {_fmt(bs['min_fde_mean'])} |")
+    jumps = {b["bag"]: b["timeline_jumps"] for b in report["bags"] if b.get("timeline_jumps")}
+    if jumps:
+        lines += ["", "**Odometry stamps jump back** (loop or reset) in " + ", ".join(f"`{b}` ({n}x)" for b, n in jumps.items())
+                  + ": ground truth is taken within one timeline; ticks whose future crosses a jump are skipped."]
+    refused = {b["bag"]: b["refused_routes"] for b in report["bags"] if b.get("refused_routes")}
+    if refused:
+        lines += ["", "Routes refused at arrival (planned without them): "
+                  + ", ".join(f"`{b}` {r}" for b, r in refused.items())]
+    if report.get("failed"):
+        lines += ["", "## Failed bags", "", "| bag | attempts | error |", "|---|---|---|"]
+        lines += [f"| `{f['bag']}` | {f['attempts']} | {f['error']} |" for f in report["failed"]]
+    if report.get("interrupted"):
+        lines += ["", f"**Interrupted**: not evaluated: {', '.join(report.get('unfinished', [])) or 'none'}."]
+    if report.get("workers"):
+        lines += ["", "## Ray workers", "", f"Worker deaths retried on another worker: {report.get('worker_deaths_retried', 0)}.",
+                  "", "| worker | host | pids | bags | plans | busy (s) | plans/s | deaths |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {w['worker']} | {w['host']} | {', '.join(map(str, w['pids']))} | {w['bags']} | {w['plans']} | "
+                  f"{_fmt(w['busy_s'])} | {_fmt(w['plans_per_s'])} | {w['deaths']} |" for w in report["workers"]]
     if report["skipped"]:
         lines += ["", "## Skipped ticks", "", "| reason | count |", "|---|---|"]
         lines += [f"| {reason} | {count} |" for reason, count in sorted(report["skipped"].items())]
@@ -237,7 +255,7 @@ def write_report(out: Path, results: Sequence[BagResult], settings: DriveSetting
     picks = [scored[i] for i in sorted(set(np.linspace(0, len(scored) - 1, options.bev_plots).round().astype(int)))] \
         if scored and options.bev_plots > 0 else []
     for n, t in enumerate(picks):
-        di, title = t.assembly.driving_input, f"t0 {t.t0_ns / NS_PER_S:.2f} s  minADE {t.score.min_ade:.2f} m"
+        di, title = t.inputs, f"t0 {t.t0_ns / NS_PER_S:.2f} s  minADE {t.score.min_ade:.2f} m"
         plot_bev(out / f"bev_{n}.png", di.ego_history_xyz, t.plan.xyz, t.true_xyz, title, t.score.best_sample)
         plots.append(f"bev_{n}.png")
         if options.camera is not None and options.camera_index in di.camera_indices:
@@ -257,6 +275,7 @@ def write_report(out: Path, results: Sequence[BagResult], settings: DriveSetting
                        if totals else None),
         "bags": [{"bag": str(r.bag), "ticks_total": len(r.ticks), "summary": summarize(t.score for t in r.scored),
                   "skipped": dict(r.skipped()), "dropped_images": r.dropped_images,
+                  "refused_routes": r.refused_routes, "timeline_jumps": r.timeline_jumps,
                   "ticks": [t.to_json(r.start_ns) for t in r.ticks]} for r in results],
         "plots": plots,
     }
