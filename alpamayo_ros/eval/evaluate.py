@@ -202,7 +202,7 @@ class InputFeed:
     def _on_route(self, log_ns: int, text: str) -> None:
         """The route check the node applies at arrival: a refused route is counted and dropped."""
         try:
-            route = check_route(text)
+            route = check_route(text, self.settings.navigation_max_chars)
         except RouteRejected as exc:
             logger.warning("navigation.topic: route refused at log time %d (%s); planning goes on without it", log_ns, exc)
             self.refused_routes[exc.reason] += 1
