@@ -182,4 +182,4 @@ def test_diagnostics_leave_ok_when_no_plan_comes_out(harness: Harness) -> None:
     finally:
         harness.set_parameter(Parameter("sampling.max_reasoning_tokens", Parameter.Type.INTEGER, 8))
     stalled = next(r for r in harness.reports(slow) if r["message"].startswith("planning_stalled"))
-    assert not stalled["ok"] and float(stalled["since_plan_s"]) > 3.0
+    assert not stalled["ok"] and float(stalled["since_plan_s"]) >= 3.0  # reported rounded to 0.1 s
