@@ -332,6 +332,13 @@ class ExpertAttention(nn.Module):
         v = torch.cat([past_value.to(v.dtype), v], dim=2)
         return self._attend(q, k, v, folded_mask)
 
+    def _fused_heads(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v heads of h from one GEMM over the fused weight (see _fuse_qkv)."""
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
+        return self._heads(*qkv, rope)
+
     def forward_prepared(
         self,
         h: torch.Tensor,
@@ -340,12 +347,8 @@ class ExpertAttention(nn.Module):
         values: torch.Tensor,
         query_pad: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Write h's K/V into the last L columns of one ExpertState layer, then attend to it.
-
-        Projects q, k and v with one GEMM over the fused weight (see _fuse_qkv).
-        """
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
-        q, k, v = self._heads(*qkv, rope)
+        """Write h's K/V into the last L columns of one ExpertState layer, then attend to it."""
+        q, k, v = self._fused_heads(h, rope)
         length = h.shape[1]
         keys[:, :, -length:, : self.head_dim] = k
         values[:, :, -length:, : self.head_dim] = v
@@ -373,8 +376,7 @@ class ExpertAttention(nn.Module):
         (reasoning + action columns, masked by own_bias) is small. The two softmaxes are
         joined exactly through their log-sum-exps.
         """
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
-        q, k, v = self._heads(*qkv, rope)
+        q, k, v = self._fused_heads(h, rope)
         n_rows, _, length, head_dim = q.shape
         keys[:, :, -length:] = k
         values[:, :, -length:] = v
