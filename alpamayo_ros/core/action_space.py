@@ -168,8 +168,7 @@ class UnicycleActionSpace:
         dt = cfg.dt
         with torch.autocast(hist_xyz.device.type, enabled=False):
             action = action.to(v0.dtype)
-            accel = action[..., 0] * cfg.accel_std + cfg.accel_mean
-            kappa = action[..., 1] * cfg.curvature_std + cfg.curvature_mean
+            accel, kappa = self.denormalize(action)
             v0 = v0.unsqueeze(-1)
             speed = torch.cat([v0, v0 + torch.cumsum(accel * dt, dim=-1)], dim=-1)  # (..., N+1)
             # Heading change of one step at constant a and kappa: kappa * (v dt + a dt^2 / 2).
@@ -216,11 +215,15 @@ class UnicycleActionSpace:
             kappa = (kappa - cfg.curvature_mean) / cfg.curvature_std
         return torch.stack([accel, kappa], dim=-1)
 
+    def denormalize(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Acceleration (m/s^2) and curvature (1/m), each (..., 64), of a normalised (..., 64, 2) action."""
+        cfg = self.config
+        return action[..., 0] * cfg.accel_std + cfg.accel_mean, action[..., 1] * cfg.curvature_std + cfg.curvature_mean
+
     def is_within_bounds(self, action: torch.Tensor) -> torch.Tensor:
         """Return (...) bool: every de-normalised step of a (..., 64, 2) action is in bounds."""
         cfg = self.config
-        accel = action[..., 0] * cfg.accel_std + cfg.accel_mean
-        kappa = action[..., 1] * cfg.curvature_std + cfg.curvature_mean
+        accel, kappa = self.denormalize(action)
         ok = (accel >= cfg.accel_bounds[0]) & (accel <= cfg.accel_bounds[1])
         ok &= (kappa >= cfg.curvature_bounds[0]) & (kappa <= cfg.curvature_bounds[1])
         return ok.all(dim=-1)

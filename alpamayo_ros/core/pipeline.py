@@ -239,9 +239,7 @@ class Pipeline:
             hist_rot = torch.from_numpy(inputs.ego_history_rot)[None]
             action = action.float().cpu()
             xyz, rot = self.action_space.action_to_traj(action, hist_xyz, hist_rot)
-            space = self.action_space.config
-            accel = action[..., 0] * space.accel_std + space.accel_mean
-            curvature = action[..., 1] * space.curvature_std + space.curvature_mean
+            accel, curvature = self.action_space.denormalize(action)
         timings["total"] = (time.perf_counter() - total_start) * 1e3
         reasoning = [
             extract_reasoning(self.tokenizer.decode([self.tokenizer.ids.special["cot_start"], *row]), "cot")
