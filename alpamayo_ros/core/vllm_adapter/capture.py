@@ -1,0 +1,221 @@
+"""The K/V capture: a KV connector that copies each finished request's K/V out of the cache.
+
+How the K/V reaches the caller: a KV connector (vLLM's experimental ``KVConnectorBase_V1``)
+whose scheduler-side ``request_finished`` hook fires once per request, after the last forward
+and before the request's blocks are freed. At that moment the hook reads the request's blocks
+straight out of the paged cache tensors that the worker-side instance of the same connector
+registered. Both instances must live in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+one worker), which is also how the captured tensors reach the backbone without a transport.
+No per-layer hook runs inside the forward, so full CUDA graphs stay on.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .kv_layout import CacheLayout, detect_layout, read_blocks
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "CaptureKVConnector"
+#: kv_connector_extra_config key naming the sink a connector instance joins.
+SINK_KEY = "alpamayo_capture_sink"
+
+
+@dataclass
+class CapturedKV:
+    """K/V of one finished request: one (T - start, H, D) tensor per decoder layer, for the
+    positions [start, T), T = tokens fed."""
+
+    token_ids: list[int]  # every token of the request the engine saw (prompt + sampled)
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    start: int = 0  # first position read (the ones before are another request's, see engine.run_requests)
+
+
+@dataclass
+class CaptureSink:
+    """Meeting point of the two connector instances and the backbone, all in one process.
+
+    The worker side fills the cache tensors and layouts; the scheduler side reads finished
+    requests that the backbone asked for (``wanted``) into ``captured``.
+    """
+
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    caches: list[torch.Tensor] = field(default_factory=list)  # one per decoder layer, in order
+    layouts: list[CacheLayout] = field(default_factory=list)
+    scheduler_block_size: int = 0
+    wanted: set[str] = field(default_factory=set)
+    skip: dict[str, int] = field(default_factory=dict)  # wanted request -> first position to read
+    captured: dict[str, CapturedKV] = field(default_factory=dict)
+
+    def transfer_config(self) -> dict[str, Any]:
+        """The kv_transfer_config that installs the capture connector for this sink."""
+        return {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_role": "kv_both",
+            "kv_connector_module_path": __name__,
+            "kv_connector_extra_config": {SINK_KEY: self.key},
+        }
+
+    def take(self, request_id: str, token_ids: list[int], block_ids: list[int], num_tokens: int) -> CapturedKV:
+        """A finished request's K/V, read now: its blocks are freed right after. A shared-prompt
+        row is read from where its prompt ends (skip), the prompt itself once, from the first row."""
+        start = self.skip.pop(request_id, 0)
+        keys, values = self.read(block_ids, num_tokens, start)
+        return CapturedKV(token_ids, keys, values, start)
+
+    def read(
+        self, block_ids: list[int], num_tokens: int, start: int = 0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K/V of the positions [start, num_tokens) held by these scheduler blocks."""
+        if not self.caches:
+            raise RuntimeError("KV capture: the worker never registered its caches")
+        kernel_ids: dict[tuple[int, torch.device], torch.Tensor] = {}  # built once per block size
+        keys, values = [], []
+        for cache, layout in zip(self.caches, self.layouts):
+            key = (layout.block_size, cache.device)
+            skipped = start // layout.block_size  # whole kernel blocks before start
+            if key not in kernel_ids:
+                ids = self._kernel_block_ids(block_ids, layout.block_size, num_tokens)[skipped:]
+                kernel_ids[key] = ids.to(cache.device)
+            first = skipped * layout.block_size
+            k, v = read_blocks(cache, layout, kernel_ids[key], num_tokens - first)
+            keys.append(k[start - first :])
+            values.append(v[start - first :])
+        return keys, values
+
+    def _kernel_block_ids(self, block_ids: list[int], kernel_block_size: int, num_tokens: int) -> torch.Tensor:
+        """The kernel blocks holding the first num_tokens positions of these scheduler blocks.
+
+        The attention kernel may use smaller blocks than the scheduler: scheduler block b is
+        then kernel blocks b*per .. b*per+per-1 (vLLM's block table does the same mapping).
+        """
+        if self.scheduler_block_size % kernel_block_size:
+            raise ValueError(
+                f"kernel block size {kernel_block_size} does not divide the scheduler's {self.scheduler_block_size}"
+            )
+        per = self.scheduler_block_size // kernel_block_size
+        ids = torch.tensor(block_ids, dtype=torch.long).repeat_interleave(per) * per
+        ids += torch.arange(per).repeat(len(block_ids))
+        needed = -(-num_tokens // kernel_block_size)
+        if ids.numel() < needed:
+            raise RuntimeError(f"KV capture: {len(block_ids)} blocks hold fewer than {num_tokens} tokens")
+        return ids[:needed]
+
+
+_SINKS: dict[str, CaptureSink] = {}
+
+
+def open_sink(sink: CaptureSink | None = None) -> CaptureSink:
+    """A new sink (or this one), findable by the connector instances the engine will construct."""
+    sink = CaptureSink() if sink is None else sink
+    _SINKS[sink.key] = sink
+    return sink
+
+
+def find_sink(key: str) -> CaptureSink:
+    """The sink open_sink registered under key in this process (tp.py's worker calls)."""
+    return _SINKS[key]
+
+
+def close_sink(sink: CaptureSink) -> None:
+    _SINKS.pop(sink.key, None)
+
+
+class _NoMetadata(KVConnectorMetadata):
+    """The capture needs nothing passed from scheduler to worker per step."""
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+class CaptureKVConnector(KVConnectorBase_V1):
+    """Copies each finished request's K/V out of the paged cache (see module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        key = self._kv_transfer_config.kv_connector_extra_config.get(SINK_KEY)
+        if key not in _SINKS:
+            raise RuntimeError(
+                "KV capture sink not found: the vLLM engine must run in the caller's process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size=1 executor in-process)"
+            )
+        self._sink = _SINKS[key]
+        self._sink.scheduler_block_size = vllm_config.cache_config.block_size
+
+    @property
+    def requires_kv_delivery(self) -> bool:  # vLLM >= 0.27: nothing is handed off asynchronously
+        return False
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        model_config = self._vllm_config.model_config
+        text = model_config.hf_text_config
+        num_kv_heads = text.num_key_value_heads // self._vllm_config.parallel_config.tensor_parallel_size
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        layers = self._vllm_config.compilation_config.static_forward_context
+        indexed = []
+        for name, cache in kv_caches.items():
+            match = _LAYER_INDEX.search(name)
+            if match is None:
+                raise ValueError(f"kv cache layer name {name!r}: no '.layers.N.' index")
+            attn = layers[name]
+            backend = attn.attn_backend.get_name()
+            isa = getattr(getattr(attn, "impl", None), "isa", None)
+            layout = detect_layout(backend, isa, cache, num_kv_heads, head_dim, model_config.dtype)
+            indexed.append((int(match.group(1)), cache, layout))
+        indexed.sort(key=lambda item: item[0])
+        if [i for i, _, _ in indexed] != list(range(len(indexed))):
+            raise ValueError(f"kv cache layers: indices {[i for i, _, _ in indexed]} are not 0..N-1")
+        self._sink.caches = [c for _, c, _ in indexed]
+        self._sink.layouts = [lay for _, _, lay in indexed]
+        logger.info("KV capture: %d layers, layout %s", len(indexed), indexed[0][2] if indexed else None)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Read the request's K/V now: its blocks are freed right after this returns."""
+        req_id = request.request_id
+        if req_id in self._sink.wanted:
+            self._sink.wanted.discard(req_id)
+            token_ids = list(request.all_token_ids)
+            num_fed = len(token_ids) - 1  # the last sampled token was never fed back
+            if request.num_computed_tokens < num_fed:
+                computed = request.num_computed_tokens
+                raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
+            self._sink.captured[req_id] = self._sink.take(req_id, token_ids, list(block_ids), num_fed)
+        return False, None

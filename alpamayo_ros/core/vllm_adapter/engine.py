@@ -1,0 +1,272 @@
+"""The in-process vLLM engine and its request loop (with upstream's stop rule as an abort).
+
+Also the few engine look-ups the tests and the backbone need (model parameters, logits
+processors, encoder cache), so no caller reaches into vLLM's engine objects itself.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import threading
+import time
+import uuid
+from copy import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from vllm import LLM, SamplingParams
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+
+from ..types import PlanCancelled
+from .capture import CapturedKV, CaptureSink
+from .mask import MASK_KEY, MaskSpec, TokenMask
+from .model import register_architecture
+
+
+def create_engine(
+    model_dir: Path, sink: CaptureSink, options: Any, engine_args: Mapping[str, Any] | None = None
+) -> LLM:
+    """One in-process vLLM engine with the capture connector (options: EngineOptions).
+
+    engine_args: further vllm.LLM arguments (tensor parallel: tp.engine_args()).
+    """
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be '0': the K/V capture reads the engine in-process")
+    register_architecture()
+    extra: dict[str, Any] = {}
+    if options.kv_cache_gib is not None:
+        if current_platform.is_cpu():
+            # NOTE: the CPU platform reads its cache size only from this variable, in whole GiB.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(options.kv_cache_gib))
+        else:
+            extra["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
+    return LLM(
+        model=str(model_dir),
+        dtype=options.dtype,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        # a whole prompt prefills in one step (no chunking of the image tokens)
+        max_num_batched_tokens=options.max_model_len,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        enforce_eager=options.enforce_eager,
+        quantization=options.quantization,
+        enable_prefix_caching=options.enable_prefix_caching,
+        seed=options.seed,
+        limit_mm_per_prompt={"image": options.max_images, "video": 0},
+        enable_mm_embeds=True,  # lets our {FRAMES_FIELD, "image_grid_thw"} items through
+        mm_processor_cache_gb=0,  # would keep every request's frames alive
+        generation_config="vllm",  # every sampling setting comes from our SamplingParams
+        logits_processors=None if options.mask_in_model else [f"{TokenMask.__module__}:{TokenMask.__name__}"],
+        kv_transfer_config=sink.transfer_config(),
+        **extra,
+        **(engine_args or {}),
+    )
+
+
+def shutdown_engine(llm: LLM) -> None:
+    """Stop the engine core so its memory can be released."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def sampling_params(
+    *,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int,
+    mask: MaskSpec | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> SamplingParams:
+    """One row's sampling: ids only, cumulative outputs; only stop_token_ids end a row early
+    (kept in its ids), never the tokenizer's EOS. mask: ids TokenMask keeps from being sampled."""
+    return SamplingParams(
+        n=1,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.CUMULATIVE,
+        extra_args={MASK_KEY: mask} if mask is not None else None,
+    )
+
+
+@dataclass
+class RequestResult:
+    prompt_token_ids: list[int]  # as vLLM expanded them
+    output_ids: list[int]  # sampled ids, in order
+    captured: CapturedKV | None  # None unless run with capture=True
+
+
+def run_requests(
+    llm: LLM,
+    sink: CaptureSink,
+    requests: list[tuple[dict[str, Any], SamplingParams]],
+    *,
+    stop_after: int | None,
+    capture: bool,
+    timings: dict[str, float] | None = None,
+    model_mask: MaskSpec | None = None,
+    stop: threading.Event | None = None,
+    shared_prompt: bool = False,
+) -> list[RequestResult]:
+    """Run requests to completion and return their ids (and K/V), in request order.
+
+    shared_prompt: the requests are samples of the first one's prompt; only their sampling
+    seeds differ. The prompt is then processed once (the others are copies of the first
+    processed request, as vLLM's own n > 1 fan-out makes them) and prefilled once: the
+    others join after the first one's first token and find its blocks in the prefix cache.
+    With capture, their K/V is read from the prompt's end on (CapturedKV.start): the
+    prompt's K/V is the first request's.
+
+    stop_after: a request is aborted as soon as one more token follows this id (upstream's
+    stop rule); its K/V then ends at that id.
+    timings, if given, receives wall milliseconds of "frontend" (vLLM's input processing in
+    add_request), "prefill" (engine steps up to the first sampled token: vision encoder +
+    prompt) and "decode" (the rest). The in-process engine's step returns sampled ids on the
+    host, so these walls include the device work.
+    model_mask: ids the model itself hides from every request during this call only (see
+    AlpamayoQwen3VLForConditionalGeneration.set_token_mask), instead of a per-request
+    TokenMask spec (EngineOptions.mask_in_model).
+    stop: once set, the requests are aborted between engine steps (PlanCancelled).
+    """
+    engine = llm.llm_engine
+    started = time.perf_counter()
+    added = first_token = None
+    tag = uuid.uuid4().hex[:12]
+    external = [f"alpamayo-{tag}-{row}" for row in range(len(requests))]
+    internal: dict[str, str] = {}
+    seen: dict[str, tuple[list[int], list[int]]] = {}
+    adding = 0.0  # seconds spent in add_request after the first request (vLLM input processing)
+    try:
+        if model_mask is not None:
+            _set_token_mask(llm, model_mask)
+        entries = list(zip(external, requests))
+        later: list[tuple[str, tuple[Any, SamplingParams]]] = []
+        if shared_prompt:
+            entries = _samples_of_one_prompt(engine, entries)
+            entries, later = entries[:1], entries[1:]
+        for ext, (prompt, params) in entries:
+            internal[ext] = engine.add_request(ext, prompt, params)
+            if capture:
+                sink.wanted.add(internal[ext])
+        added = time.perf_counter()
+        prompt_len = len(entries[0][1][0].prompt_token_ids) if shared_prompt else 0
+        while later or engine.has_unfinished_requests():
+            if stop is not None and stop.is_set():
+                raise PlanCancelled("vLLM requests cancelled: the pipeline is stopping")
+            if later and (first_token is not None or not engine.has_unfinished_requests()):
+                begun = time.perf_counter()
+                for ext, (request, params) in later:
+                    internal[ext] = engine.add_request(ext, request, params)
+                    if capture:
+                        sink.wanted.add(internal[ext])
+                        sink.skip[internal[ext]] = prompt_len
+                later = []
+                adding += time.perf_counter() - begun
+            for output in engine.step():
+                ids = list(output.outputs[0].token_ids)
+                if first_token is None and ids:
+                    first_token = time.perf_counter()
+                stop_now = stop_after is not None and not output.finished and stop_after in ids[:-1]
+                if stop_now:
+                    engine.abort_request([output.request_id])
+                if output.finished or stop_now:
+                    seen[output.request_id] = (list(output.prompt_token_ids), ids)
+    except BaseException:
+        engine.abort_request([ext for ext in external if ext not in seen])
+        for rid in internal.values():
+            sink.captured.pop(rid, None)
+        raise
+    finally:
+        if model_mask is not None:
+            _set_token_mask(llm, None)
+        for rid in internal.values():
+            sink.wanted.discard(rid)
+            sink.skip.pop(rid, None)
+    if timings is not None and added is not None and first_token is not None:
+        finished = time.perf_counter()
+        timings.update(
+            frontend=(added - started + adding) * 1e3,
+            prefill=(first_token - added) * 1e3,
+            decode=(finished - first_token - adding) * 1e3,
+        )
+    captured = {ext: sink.captured.pop(internal[ext], None) for ext in external}
+    missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
+    if missing:
+        raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
+    for ext in external:
+        ids = seen[ext][0] + seen[ext][1]
+        if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
+            raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
+    return [RequestResult(*seen[ext], captured[ext]) for ext in external]
+
+
+def _samples_of_one_prompt(
+    engine: Any, entries: list[tuple[str, tuple[dict[str, Any], SamplingParams]]]
+) -> list[tuple[str, tuple[Any, SamplingParams]]]:
+    """The requests as processed requests: the first one's prompt processed once, then one
+    copy per row with that row's id and seed (what vLLM's parallel sampling, n > 1, does; we
+    cannot use it as is because every row is aborted and captured on its own).
+
+    NOTE: vLLM logs once that passing a processed request is deprecated; 0.26 and 0.27
+    accept it unchanged.
+    """
+    first, (prompt, params) = entries[0]
+    fields = ("temperature", "top_p", "max_tokens", "stop_token_ids", "extra_args")
+    for ext, (row_prompt, row_params) in entries[1:]:
+        differs = [name for name in fields if getattr(row_params, name) != getattr(params, name)]
+        if row_prompt is not prompt or differs:
+            raise ValueError(f"requests: {ext} is not a sample of {first}'s prompt (differs in {differs or 'prompt'})")
+    processed = engine.input_processor.process_inputs(
+        first, prompt, params, supported_tasks=engine.get_supported_tasks()
+    )
+    samples = []
+    for ext, (_, row_params) in entries:
+        request = copy(processed)
+        request.request_id = ext
+        request.sampling_params = copy(processed.sampling_params)
+        request.sampling_params.seed = row_params.seed
+        samples.append((ext, (request, request.sampling_params)))
+    return samples
+
+
+def _set_token_mask(llm: LLM, spec: MaskSpec | None) -> None:
+    # a methodcaller, not a lambda: with tensor parallel it is pickled to the workers
+    llm.llm_engine.apply_model(operator.methodcaller("set_token_mask", spec))
+
+
+def engine_token_mask(llm: LLM) -> MaskSpec | None:
+    """The mask the engine's model applies now (in-process engines only)."""
+    (spec,) = llm.llm_engine.apply_model(lambda model: model._token_mask)
+    return spec
+
+
+def logits_processor_names(llm: LLM) -> list[str]:
+    """Class names of the logits processors the engine's model runner applies (in-process
+    engines only): a custom one costs the async scheduling overlap, see TokenMask."""
+    (names,) = llm.llm_engine.collective_rpc(
+        lambda worker: [type(p).__name__ for p in worker.model_runner.input_batch.logitsprocs.all]
+    )
+    return names
+
+
+def engine_parameters(llm: LLM) -> list[torch.Tensor]:
+    """The parameters of the model inside the engine (in-process engines only)."""
+    (params,) = llm.llm_engine.apply_model(lambda model: list(model.parameters()))
+    return params
+
+
+def encoder_cache_keys(llm: LLM) -> set[str]:
+    """Multimodal ids whose vision-encoder output the engine holds now (in-process engines only):
+    a request showing one of these images skips the vision encoder for it."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return set(scheduler.encoder_cache_manager.cached)
