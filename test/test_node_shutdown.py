@@ -116,7 +116,7 @@ def _orphaned(segments: set[str]) -> set[str]:
     return left
 
 
-class Node:
+class NodeProcess:
     """alpamayo_drive in its own process, with what its exit is checked against."""
 
     def __init__(self, tmp: Path, params: Path, env: dict[str, str]) -> None:
@@ -133,7 +133,7 @@ class Node:
         return marker in self.text() and self.process.poll() is None
 
 
-def _interrupt(node: Node) -> tuple[int, float, set[str], set[int]]:
+def _interrupt(node: NodeProcess) -> tuple[int, float, set[str], set[int]]:
     """SIGINT; (exit code, seconds from the signal to the process's end, the segments it mapped,
     the processes it had started). SIGKILL only on a hang."""
     process = node.process
@@ -151,7 +151,7 @@ def _interrupt(node: Node) -> tuple[int, float, set[str], set[int]]:
     return process.returncode, elapsed, segments, children
 
 
-def _assert_clean(node: Node, code: int, elapsed_s: float, segments: set[str], children: set[int]) -> None:
+def _assert_clean(node: NodeProcess, code: int, elapsed_s: float, segments: set[str], children: set[int]) -> None:
     text = node.text()
     assert code == 0, f"exit code {code}\n{text[-3000:]}"
     assert elapsed_s < EXIT_DEADLINE_S, f"took {elapsed_s:.1f} s to exit\n{text[-3000:]}"
@@ -177,7 +177,7 @@ def test_sigint_in_each_state_exits_0_within_3_s(
     tmp_path: Path, tiny_checkpoint: Path, backend: str, marker: str, tokens: int
 ) -> None:
     extra = {**BACKENDS[backend], "sampling.max_reasoning_tokens": tokens, "sampling.temperature": 1.0}
-    node = Node(tmp_path, _params(tmp_path, tiny_checkpoint, **extra), ros_env(unique_domain_id()))
+    node = NodeProcess(tmp_path, _params(tmp_path, tiny_checkpoint, **extra), ros_env(unique_domain_id()))
     assert node.reached(marker), node.text()[-3000:]
     _assert_clean(node, *_interrupt(node))
 
@@ -190,7 +190,7 @@ def test_sigint_during_a_long_plan_exits_0_within_3_s(tmp_path: Path, tiny_check
     rig = SensorRig(side, cameras, odometry_topic="/shutdown/odom").start()
     # a short warm-up, then plans of up to 4096 tokens (the tiny model rarely samples the stop token)
     params = _params(tmp_path, tiny_checkpoint, **BACKENDS[backend], **{"sampling.max_reasoning_tokens": 8})
-    node = Node(tmp_path, params, ros_env(domain_id))
+    node = NodeProcess(tmp_path, params, ros_env(domain_id))
     paths = side.collect(PathMsg, "/alpamayo_drive/output/path", side.reliable())
     try:
         assert wait_until(lambda: len(paths) >= 1 or node.process.poll() is not None, START_TIMEOUT_S), node.text()
@@ -220,7 +220,7 @@ def test_launch_shutdown_sequence_ends_the_node_before_sigterm(tmp_path: Path, t
     sigterm_timeout_s = _launch_sigterm_timeout_s()
     assert sigterm_timeout_s > EXIT_DEADLINE_S  # the launch file leaves the node its shutdown time
     params = _params(tmp_path, tiny_checkpoint, **{"sampling.max_reasoning_tokens": 4096, "sampling.temperature": 1.0})
-    node = Node(tmp_path, params, ros_env(unique_domain_id()))
+    node = NodeProcess(tmp_path, params, ros_env(unique_domain_id()))
     assert node.reached("warming_up:"), node.text()
     code, elapsed, segments, children = _interrupt(node)
     assert elapsed < sigterm_timeout_s, f"ran {elapsed:.1f} s after SIGINT: launch would SIGTERM it\n{node.text()}"
