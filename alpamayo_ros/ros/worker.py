@@ -10,7 +10,8 @@ A thread that ends for any reason other than stop() reads as failed, so diagnost
 say "ready" for a dead worker. Stopping is cooperative: stop() sets the flag and cancels the
 planner, whose plan in flight ends at its next decode or flow step (PlanCancelled). Loading a
 model cannot be interrupted; stop() then returns False and the caller decides (the node exits
-without waiting for it). ROS-free: the node passes callbacks.
+without waiting for it). Once stopping, the worker calls none of the callbacks (the node behind
+them is going away; a late failure goes to the log). ROS-free: the node passes callbacks.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class InferenceWorker:
         self._job: Any = None
         self._planner: Planner | None = None
         self._stopping = False
+        self._release = True
         self.load_ms = float("nan")
         self.warmup_ms = float("nan")
         self._thread = threading.Thread(target=self._main, name="alpamayo_inference", daemon=True)
@@ -100,10 +102,16 @@ class InferenceWorker:
             self._job = job
             self._cond.notify()
 
-    def stop(self, timeout_s: float) -> bool:
-        """Stop after the current decode or flow step; True when the thread has ended."""
+    def stop(self, timeout_s: float, *, release: bool = True) -> bool:
+        """Stop after the current decode or flow step; True when the thread has ended.
+
+        release=False leaves the planner unclosed, for a process about to end whose planner holds
+        nothing the exit does not free: vLLM's in-process teardown collects the whole heap while
+        holding the interpreter lock, seconds in which the exiting thread cannot run.
+        """
         with self._cond:
             self._stopping = True
+            self._release = release
             if self._state is not WorkerState.FAILED:
                 self._state = WorkerState.STOPPING
             planner = self._planner
@@ -122,6 +130,10 @@ class InferenceWorker:
             self._state = state
             if state is WorkerState.FAILED:
                 self._error = detail
+            stopping = self._stopping
+        if stopping:
+            logger.warning(f"while stopping: {detail}")
+            return
         self._on_state(state, detail)
 
     def _main(self) -> None:
@@ -181,7 +193,8 @@ class InferenceWorker:
     def _close_planner(self) -> None:
         with self._cond:
             planner, self._planner = self._planner, None
-        if planner is None:
+            release = self._release
+        if planner is None or not release:
             return
         try:
             planner.close()  # in the thread that used the engine (vLLM releases GPU memory there)
