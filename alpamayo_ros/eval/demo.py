@@ -19,7 +19,6 @@ import math
 import shutil
 import subprocess
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,12 +31,12 @@ from nav_msgs.msg import Odometry
 from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from rclpy.serialization import serialize_message
+from rclpy.serialization import deserialize_message, serialize_message
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
-from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter
+from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter, bag_topics
 from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_pipeline
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.metrics import summarize
@@ -156,6 +155,20 @@ class PlanFollower:
         return np.array([np.interp(tau, times, self.plan_world[:, 0]), np.interp(tau, times, self.plan_world[:, 1])])
 
 
+class DriveOutputs:
+    """The bag writer for the node's outputs: diagnostics published before the drive started
+    (the model load's, stamped at the held start time) stay out, judged by their stamp and not
+    by when they arrive, so the recording holds the same messages on every run."""
+
+    def __init__(self, writer: BagWriter, start_ns: int) -> None:
+        self.writer, self.start_ns = writer, start_ns
+
+    def write_raw(self, topic: str, msgtype: str, log_time_ns: int, raw: bytes) -> None:
+        if topic == "/diagnostics" and stamp_to_ns(deserialize_message(raw, DiagnosticArray).header.stamp) <= self.start_ns:
+            return
+        self.writer.write_raw(topic, msgtype, log_time_ns, raw)
+
+
 class DemoScene:
     """The demo's ROS side: publishes the world, listens to the node, records everything."""
 
@@ -187,8 +200,8 @@ class DemoScene:
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
         # The scene's own sensors go into the bag at their simulated time, exactly; the node's outputs
         # are recorded as they arrive. Both start with the drive, not during the model load.
-        self.writer, self.recording, self.sensor_counts = writer, False, Counter()
-        self.recorder = Recorder(self.node, writer, NODE_OUTPUTS, clock=lambda: self.sim_ns)
+        self.writer, self.recording = writer, False
+        self.recorder = Recorder(self.node, DriveOutputs(writer, SIM_START_NS), NODE_OUTPUTS, clock=lambda: self.sim_ns)
         self.recorder.active = False
         self.executor = SingleThreadedExecutor()
         self.executor.add_node(self.node)
@@ -242,7 +255,6 @@ class DemoScene:
     def _record(self, topic: str, msgtype: str, msg: Any) -> None:
         if self.recording:
             self.writer.write_raw(topic, msgtype, self.sim_ns, serialize_message(msg))
-            self.sensor_counts[topic] += 1
 
     def start_recording(self) -> None:
         """Sensors from now on; node outputs from the next step on, so the bag starts with a sensor."""
@@ -405,7 +417,7 @@ class DemoScene:
 
     def summary(self, started_monotonic: float) -> dict[str, Any]:
         return {"plans_followed": len(self.follower.world_plans), "clamped_steps": self.vehicle.clamped_steps,
-                "plans_waited_out": self.plans_waited_out, "recorded": {**self.sensor_counts, **self.recorder.counts},
+                "plans_waited_out": self.plans_waited_out,
                 "lockstep": self.opts.lockstep,
                 "node_state": self.node_state, "drive_wall_s": time.monotonic() - started_monotonic}
 
@@ -468,6 +480,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         if scene is not None:
             scene.close()
         rclpy.try_shutdown()
+    drive["recorded"] = {topic: count for topic, (_, count) in sorted(bag_topics(bag).items())}
     logger.info("drive recorded to %s (node exit code %d); evaluating", bag, code)
     return evaluate_session(opts.out, bag, params_file, scene, drive)
 
