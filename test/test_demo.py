@@ -95,10 +95,10 @@ def test_scene_draws_the_road_and_keeps_a_wild_vehicle_on_it():
 
 
 def test_reasoning_text_is_what_was_generated(demo):
-    """4 tokens never reach <|cot_end|>: the Reasoning messages carry the generated text, marked unclosed in the report."""
+    """4 tokens never reach <|cot_end|>: the Reasoning messages carry the generated text, marked unclosed there and in the report."""
     out, _ = demo
-    texts = [m.msg.coc for m in read_messages(out / "session", topics=["/alpamayo_drive/output/reasoning"])]
-    assert texts and all(texts)
+    messages = [m.msg for m in read_messages(out / "session", topics=["/alpamayo_drive/output/reasoning"])]
+    assert messages and all(m.coc and not m.closed and list(m.sample_closed) == [False] for m in messages)
     ticks = [t for t in json.loads((out / "report.json").read_text())["bags"][0]["ticks"] if "min_ade" in t]
     assert ticks and all(t["coc"][0] and t["reasoning_closed"] == [False] for t in ticks)
 

@@ -31,6 +31,7 @@ BUILD_MESSAGES = textwrap.dedent("""
                                             scores=[3.5, 1.25, 2.0], selected_index=1, selection_policy="medoid"),
             "reasoning": Reasoning(header=header, coc="Slow down: a pedestrian is crossing ahead.",
                                    sample_cocs=["a", "Slow down: a pedestrian is crossing ahead.", "ü ✓"],
+                                   closed=True, sample_closed=[False, True, True],
                                    navigation_command="Turn right in 30m", backend="vllm",
                                    model_id="Alpamayo-1.5-10B", generated_tokens=37),
             "timings": StageTimings(header=header, stage_names=["preprocess", "backbone", "expert"],
@@ -105,4 +106,5 @@ def test_every_message_crosses_processes_intact(tmp_path: Path) -> None:
     assert list(trajectory_set.scores) == [3.5, 1.25, 2.0]
     reasoning = collectors["reasoning"].messages[0]
     assert reasoning.sample_cocs[2] == "ü ✓" and reasoning.generated_tokens == 37
+    assert reasoning.closed and list(reasoning.sample_closed) == [False, True, True]
     assert list(collectors["timings"].messages[0].stage_ms) == [12.5, 230.0, 41.75]

@@ -19,7 +19,6 @@ import math
 import shutil
 import subprocess
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,14 +28,15 @@ import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Odometry
+from rclpy.duration import Duration
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from rclpy.serialization import serialize_message
+from rclpy.serialization import deserialize_message, serialize_message
 from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
-from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter
+from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter, bag_topics
 from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_pipeline
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.metrics import summarize
@@ -73,6 +73,11 @@ SIM_START_NS = 1_000 * NS + 50_000_000
 # ticks are rejected (history_short); a plannable tick left unwaited would still be planning at
 # the next tick, which the node then skips.
 FIRST_PLANNABLE_FRAME_NS = 1_600_000_000
+# Lockstep: the node takes every sensor message the scene sends (reliable; queues that hold
+# 10 s of frames and 20 s of odometry), so what it plans from never depends on timing.
+LOCKSTEP_QOS = {"qos.cameras.reliability": "reliable", "qos.cameras.depth": 100,
+                "qos.odometry.reliability": "reliable", "qos.odometry.depth": 1000}
+ACK_TIMEOUT_S = 60.0  # lockstep: hang guard for the node acknowledging the sensors of a tick
 
 
 @dataclass
@@ -111,6 +116,7 @@ def node_parameters(opts: DemoOptions, rig: Sequence[PinholeCamera], checkpoint:
         "planning.rate_hz": opts.rate_hz,
         "sampling.max_reasoning_tokens": opts.max_reasoning_tokens,
         "sampling.num_samples": 1,
+        **(LOCKSTEP_QOS if opts.lockstep else {}),
         **opts.extra_params,
     }
 
@@ -149,6 +155,20 @@ class PlanFollower:
         return np.array([np.interp(tau, times, self.plan_world[:, 0]), np.interp(tau, times, self.plan_world[:, 1])])
 
 
+class DriveOutputs:
+    """The bag writer for the node's outputs: diagnostics published before the drive started
+    (the model load's, stamped at the held start time) stay out, judged by their stamp and not
+    by when they arrive, so the recording holds the same messages on every run."""
+
+    def __init__(self, writer: BagWriter, start_ns: int) -> None:
+        self.writer, self.start_ns = writer, start_ns
+
+    def write_raw(self, topic: str, msgtype: str, log_time_ns: int, raw: bytes) -> None:
+        if topic == "/diagnostics" and stamp_to_ns(deserialize_message(raw, DiagnosticArray).header.stamp) <= self.start_ns:
+            return
+        self.writer.write_raw(topic, msgtype, log_time_ns, raw)
+
+
 class DemoScene:
     """The demo's ROS side: publishes the world, listens to the node, records everything."""
 
@@ -171,11 +191,17 @@ class DemoScene:
         self.ready = False
         self.node_state = "not started"
         self.handled = 0
+        self.node_plans = 0  # plans the node reports published
+        self.refused = 0  # ticks the node refused so far: rejected inputs, gated or failed plans, repeated t0s
+        # lockstep: (node clock, refused) of every diagnostics message since the drive started, in order
+        self.refusals: list[tuple[int, int]] = []
+        self.expected_refusals = 0  # lockstep: refusals the node reported before the tick awaited now
+        self.newest_frame_ns: int | None = None
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, reliable)
         # The scene's own sensors go into the bag at their simulated time, exactly; the node's outputs
         # are recorded as they arrive. Both start with the drive, not during the model load.
-        self.writer, self.recording, self.sensor_counts = writer, False, Counter()
-        self.recorder = Recorder(self.node, writer, NODE_OUTPUTS, clock=lambda: self.sim_ns)
+        self.writer, self.recording = writer, False
+        self.recorder = Recorder(self.node, DriveOutputs(writer, SIM_START_NS), NODE_OUTPUTS, clock=lambda: self.sim_ns)
         self.recorder.active = False
         self.executor = SingleThreadedExecutor()
         self.executor.add_node(self.node)
@@ -191,6 +217,9 @@ class DemoScene:
                 # ticks the node has finished with: planned, rejected (any reason) or repeated
                 self.handled = sum(int(v) for k, v in values.items()
                                    if k in ("plans", "repeated_t0") or k.startswith("rejected."))
+                self.node_plans = int(values.get("plans", 0))
+                self.refused = self.handled - self.node_plans
+                self.refusals.append((stamp_to_ns(msg.header.stamp), self.refused))
 
     def spin(self, seconds: float) -> None:
         """Process callbacks for about `seconds` of wall time."""
@@ -215,6 +244,7 @@ class DemoScene:
         self.odom_pub.publish(odom)
         self._record(ODOM, ODOMETRY, odom)
         if step % FRAME_EVERY == 0:
+            self.newest_frame_ns = self.sim_ns
             for index, image in self.renderer.render_rig(pose).items():
                 msg = CompressedImage()
                 msg.header.stamp, msg.header.frame_id, msg.format = stamp, CAMERAS[index][0], "jpeg"
@@ -225,21 +255,20 @@ class DemoScene:
     def _record(self, topic: str, msgtype: str, msg: Any) -> None:
         if self.recording:
             self.writer.write_raw(topic, msgtype, self.sim_ns, serialize_message(msg))
-            self.sensor_counts[topic] += 1
 
     def start_recording(self) -> None:
         """Sensors from now on; node outputs from the next step on, so the bag starts with a sensor."""
         self.recording = True
 
     def wait_until_ready(self, node_process: subprocess.Popen) -> None:
-        """Advance the clock in real time (no sensors) until the node reports ready."""
+        """Hold the clock at the start (no sensors) until the node reports ready: the drive then
+        starts at the same simulated time whatever the model's load time."""
         deadline = time.monotonic() + self.opts.ready_timeout_s
         while not self.ready:
             if node_process.poll() is not None:
                 raise RuntimeError(f"drive node exited with code {node_process.returncode} before it was ready")
             if time.monotonic() > deadline or self.node_state == "failed":
                 raise RuntimeError(f"drive node not ready after {self.opts.ready_timeout_s:.0f} s (state: {self.node_state})")
-            self.sim_ns += 100_000_000
             self.publish_clock()
             self.spin(0.1)
 
@@ -261,17 +290,17 @@ class DemoScene:
         """The closed loop in lockstep: simulated time stops at every planning tick that can plan
         until that tick's plan arrives, so the drive does not depend on how fast the node is.
 
-        The drive starts 50 ms past a whole planning period (whatever the model's load time), so
-        camera frames fall between the node's ticks, which lie on whole periods of simulated time.
+        The drive starts at SIM_START_NS, 50 ms past a whole second, so camera frames fall between the
+        node's ticks, which lie on whole periods of simulated time. Before the clock passes a
+        tick, the node has acknowledged every sensor message sent so far (reliable QoS): they sit
+        in its queues before the clock message does, and its executor takes them before the
+        tick's timer, so every tick plans from the newest frame, which the wait then expects.
         """
         period_ns = int(NS / self.opts.rate_hz)
-        while (self.sim_ns - SIM_START_NS) % period_ns != 0:  # clock only, no sensors: align the start
-            self.sim_ns += min(STEP_NS, period_ns - (self.sim_ns - SIM_START_NS) % period_ns)
-            self.publish_clock()
-            self.spin(0.005)
-        start_ns = self.sim_ns
+        start_ns = self.sim_ns  # SIM_START_NS: the clock was held there until the node was ready
         self.follower.log_pose(start_ns, self.vehicle.pose)
         self.start_recording()
+        self.expected_refusals = self.refused  # the node's count when the drive starts
         first_plan_ns = start_ns + FIRST_PLANNABLE_FRAME_NS + 1  # ticks after that frame can plan
         next_tick = start_ns - start_ns % period_ns + period_ns
         wall0 = time.monotonic()
@@ -282,33 +311,69 @@ class DemoScene:
             step += 1
             self.step_world(step)
             self.recorder.active = True
+            if self.sim_ns >= next_tick:
+                self._await_sensor_acks()
             if self.sim_ns >= next_tick and next_tick >= first_plan_ns:
-                plan_before = self.follower.plan_t0
-                self.spin(0.05)  # the sensors reach the node before the clock passes the tick
-                self.publish_clock()
-                self._await_plan(plan_before, next_tick, node_process)
+                self._await_plan(next_tick, node_process)
                 wall0 = time.monotonic() - (self.sim_ns - start_ns) / NS
             else:
+                if self.sim_ns >= next_tick:
+                    self.expected_refusals += 1  # too early to plan: refused (history_short)
                 self.publish_clock()
             if self.sim_ns >= next_tick:
                 next_tick += period_ns
             self.spin(max(0.0, (self.sim_ns - start_ns) / NS - (time.monotonic() - wall0)))  # at most real time
 
-    def _await_plan(self, plan_before: int | None, tick_ns: int, node_process: subprocess.Popen) -> None:
-        started = time.monotonic()
-        handled_before = self.handled  # a tick the node rejects (diagnostics) ends the wait too, without a plan
-        while self.follower.plan_t0 == plan_before and self.handled == handled_before:
+    def _await_sensor_acks(self) -> None:
+        """Block until the node has received every sensor message sent so far (lockstep)."""
+        timeout = Duration(seconds=ACK_TIMEOUT_S)
+        for topic, publisher in [(ODOM, self.odom_pub), *((camera_topic(self.rig_by_index[i]), p)
+                                                          for i, p in self.camera_pubs.items())]:
+            if not publisher.wait_for_all_acked(timeout):
+                raise RuntimeError(f"lockstep: the drive node did not acknowledge {topic} within {ACK_TIMEOUT_S:.0f} s")
+
+    def _refused_since(self, tick_ns: int) -> bool:
+        """The node's diagnostics, stamped with its clock, count a refusal beyond those expected
+        before the tick at tick_ns: the node refused that tick (its inputs, or its plan at the gate)."""
+        return any(stamp >= tick_ns and refused > self.expected_refusals for stamp, refused in self.refusals)
+
+    def _await_plan(self, tick_ns: int, node_process: subprocess.Popen) -> None:
+        """Pass the clock over the tick, then hold it until the node has planned from the newest
+        frame (or refused the tick); a plan for any other t0 means the lockstep broke."""
+        expected_t0 = self.newest_frame_ns
+        started = last_clock = time.monotonic()
+        self.publish_clock()
+        while self.follower.plan_t0 != expected_t0 and not self._refused_since(tick_ns):
             if not rclpy.ok():
                 raise ExternalShutdownException()
             if node_process.poll() is not None:
                 raise RuntimeError(f"drive node exited with code {node_process.returncode} while planning")
+            if self.follower.plan_t0 is not None and expected_t0 is not None and self.follower.plan_t0 > expected_t0:
+                raise RuntimeError(f"lockstep: the node planned for t0 {self.follower.plan_t0 / NS:.2f} s at the tick "
+                                   f"at {tick_ns / NS:.2f} s; expected its newest frame, {expected_t0 / NS:.2f} s")
             if time.monotonic() - started > self.opts.lockstep_timeout_s:
                 raise RuntimeError(f"lockstep: no plan for the tick at {tick_ns / NS:.2f} s within "
                                    f"{self.opts.lockstep_timeout_s:.0f} s (node state: {self.node_state})")
+            if time.monotonic() - last_clock > 1.0:  # a held clock, as a simulator keeps publishing it
+                self.publish_clock()
+                last_clock = time.monotonic()
             self.spin(0.02)
         self.longest_plan_wait_s = max(self.longest_plan_wait_s or 0.0, time.monotonic() - started)
-        if self.follower.plan_t0 == plan_before:
-            logger.warning("lockstep: the node rejected the tick at %.2f s (see its diagnostics); driving on", tick_ns / NS)
+        if self.follower.plan_t0 != expected_t0:
+            self.expected_refusals += 1
+            logger.warning("lockstep: the node refused the tick at %.2f s (see its diagnostics); driving on", tick_ns / NS)
+
+    def await_companions(self) -> None:
+        """Lockstep: every followed plan's other outputs, and the diagnostics counting it, are
+        recorded before the recording closes."""
+        plans = len(self.follower.world_plans)
+        outputs = [t for t in NODE_OUTPUTS if t not in (TRAJECTORIES, "/diagnostics")]
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while self.node_plans < plans or any(self.recorder.counts.get(t, 0) < plans for t in outputs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lockstep: the outputs of {plans} plans did not all arrive within {ACK_TIMEOUT_S:.0f} s "
+                                   f"(recorded {dict(self.recorder.counts)})")
+            self.spin(0.05)
 
     def drive(self, node_process: subprocess.Popen) -> None:
         """Free-running closed loop: step the world, publish, follow plans, wait (bounded) for a lagging node."""
@@ -352,7 +417,7 @@ class DemoScene:
 
     def summary(self, started_monotonic: float) -> dict[str, Any]:
         return {"plans_followed": len(self.follower.world_plans), "clamped_steps": self.vehicle.clamped_steps,
-                "plans_waited_out": self.plans_waited_out, "recorded": {**self.sensor_counts, **self.recorder.counts},
+                "plans_waited_out": self.plans_waited_out,
                 "lockstep": self.opts.lockstep,
                 "node_state": self.node_state, "drive_wall_s": time.monotonic() - started_monotonic}
 
@@ -402,6 +467,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             logger.info("node ready after %.0f s; driving %.0f simulated seconds", time.monotonic() - started, opts.duration_s)
             if opts.lockstep:
                 scene.drive_lockstep(node_process)
+                scene.await_companions()
             else:
                 scene.start_recording()
                 scene.recorder.active = True
@@ -414,6 +480,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         if scene is not None:
             scene.close()
         rclpy.try_shutdown()
+    drive["recorded"] = {topic: count for topic, (_, count) in sorted(bag_topics(bag).items())}
     logger.info("drive recorded to %s (node exit code %d); evaluating", bag, code)
     return evaluate_session(opts.out, bag, params_file, scene, drive)
 

@@ -66,12 +66,15 @@ class PlanPublisher:
         selected, scores = convert.select_sample(plan.xyz, job.selection)
         shown = max(selected, 0)
         coc = plan.coc[shown] if plan.coc else ""
+        # a text cut at the token budget is still published, marked unclosed
+        closed = plan.reasoning_closed[shown] if plan.reasoning_closed else False
         self._trajectories.publish(
             convert.trajectory_set_message(header, xyz, rot, WAYPOINT_DT_S, scores, selected, job.selection)
         )
         self._reasoning.publish(
             Reasoning(
-                header=header, coc=coc, sample_cocs=list(plan.coc), navigation_command=request.route_text,
+                header=header, coc=coc, sample_cocs=list(plan.coc), closed=closed,
+                sample_closed=list(plan.reasoning_closed), navigation_command=request.route_text,
                 backend=plan.backend, model_id=settings.model_id,
                 generated_tokens=len(plan.generated_ids[shown]) if plan.generated_ids else 0,
             )
