@@ -5,7 +5,10 @@ The server runs as a child process (as in deployment) with the same checkpoint, 
 and settings; it plans first, then is stopped, then this process loads the pipeline and plans the
 same input stream (one model on the device at a time). Reported per plan: wall time both ways,
 the remote overhead (remote wall - in-process wall, p50) and its direct form (client wall - the
-server's own `total`: resizing, msgpack, HTTP, queueing), and the remote/in-process ratio.
+server's own `total`: resizing, msgpack, HTTP, queueing), and the remote/in-process ratio, each
+for the frame-delta requests (only the frames the server lacks travel) and for full-window
+requests (every frame every plan), against one server; plus bytes sent per plan and where the
+direct overhead goes (client resize and encode, server parse and queue, the rest: HTTP both ways).
 
     python bench/bench_serve.py --smoke
     python bench/bench_serve.py --workload W16 --backend vllm --runs 50 --full-size-dir /tmp/ckpt
@@ -40,21 +43,41 @@ def workload_settings(workload: Workload) -> SamplingSettings:
                             min_reasoning_tokens=workload.reasoning_tokens, flow_steps=10)
 
 
-def timed_plans(plan, workload: Workload, runs: int, warmup: int) -> dict[str, list[float]]:
-    """Wall ms per plan (and the pipeline's own `total`) over the streamed synthetic inputs."""
+#: Stages of a remote plan's overhead, as RemotePlanner and the server time them.
+REMOTE_STAGES = ("remote.resize", "remote.encode", "serve.parse", "serve.queue")
+
+
+def timed_plans(plan, workload: Workload, runs: int, warmup: int, sent_bytes=None) -> dict[str, list[float]]:
+    """Wall ms per plan (and the pipeline's own `total`) over the streamed synthetic inputs; for
+    a remote plan also its overhead stages, the rest of it (HTTP) and sent_bytes() per plan."""
     settings = workload_settings(workload)
     stream = synthetic_inputs(workload, seed=0)
-    times: dict[str, list[float]] = {"wall": [], "total": [], "overhead": []}
+    times: dict[str, list[float]] = {"wall": [], "total": []}
     for index in range(warmup + runs):
         inputs = next(stream)
         start = time.perf_counter()
         result = plan(inputs, settings)
         wall_ms = (time.perf_counter() - start) * 1e3
-        if index >= warmup:
-            times["wall"].append(wall_ms)
-            times["total"].append(result.timings_ms["total"])
-            times["overhead"].append(wall_ms - result.timings_ms["total"])
+        if index < warmup:
+            continue
+        times["wall"].append(wall_ms)
+        times["total"].append(result.timings_ms["total"])
+        if sent_bytes is None:
+            continue
+        stages = {stage: result.timings_ms[stage] for stage in REMOTE_STAGES}
+        measured = {"overhead": wall_ms - result.timings_ms["total"], **stages, "bytes_sent": sent_bytes()}
+        measured["http"] = measured["overhead"] - sum(stages.values())
+        for key, value in measured.items():
+            times.setdefault(key, []).append(value)
     return times
+
+
+def remote_plans(url: str, workload: Workload, args: argparse.Namespace, delta: bool) -> dict[str, list[float]]:
+    planner = RemotePlanner(url, timeout_s=600, delta=delta)
+    try:
+        return timed_plans(planner.plan, workload, args.runs, args.warmup, lambda: planner.last_request_bytes)
+    finally:
+        planner.close()
 
 
 def engine_options(args: argparse.Namespace) -> tuple[dict, list[str]]:
@@ -81,11 +104,9 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype:
     started = time.perf_counter()
     server.start(ready_timeout_s=1800)
     logger.info("server ready in %.1f s", time.perf_counter() - started)
-    planner = RemotePlanner(server.url, timeout_s=600)
     try:
-        remote = timed_plans(planner.plan, workload, args.runs, args.warmup)
+        remote = {mode: remote_plans(server.url, workload, args, delta=mode == "delta") for mode in ("delta", "full")}
     finally:
-        planner.close()
         server.stop()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -93,25 +114,32 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype:
                                         backend_options=options)
     local = timed_plans(pipeline.plan, workload, args.runs, args.warmup)
     pipeline.close()
-    remote_p50, local_p50 = np.percentile(remote["wall"], 50), np.percentile(local["wall"], 50)
-    return {
+    local_p50 = np.percentile(local["wall"], 50)
+    result = {
         "workload": name, "backend": args.backend, "device": args.device, "dtype": dtype, "runs": args.runs,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "remote_ms": {key: percentiles(values) for key, values in remote.items()},
-        "in_process_ms": {key: percentiles(values) for key, values in local.items() if key != "overhead"},
-        "overhead_p50_ms": float(remote_p50 - local_p50),
-        "ratio_p50": float(remote_p50 / local_p50),
+        "in_process_ms": {key: percentiles(values) for key, values in local.items()},
     }
+    for mode, times in remote.items():
+        remote_p50 = np.percentile(times["wall"], 50)
+        result[f"remote_{mode}_ms"] = {key: percentiles(values) for key, values in times.items() if key != "bytes_sent"}
+        result[f"remote_{mode}_bytes_sent_p50"] = float(np.percentile(times["bytes_sent"], 50))
+        result[f"remote_{mode}_overhead_p50_ms"] = float(remote_p50 - local_p50)
+        result[f"remote_{mode}_ratio_p50"] = float(remote_p50 / local_p50)
+    return result
 
 
 def print_report(result: dict) -> None:
     lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {result.get('gpu') or result['device']})",
              "", "| path | measure | p50 ms | p90 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
-    for path in ("in_process_ms", "remote_ms"):
+    for path in ("in_process_ms", "remote_delta_ms", "remote_full_ms"):
         for measure, p in result[path].items():
             lines.append(f"| {path.removesuffix('_ms')} | {measure} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} |")
-    lines += ["", f"remote wall p50 - in-process wall p50 = **{result['overhead_p50_ms']:.1f} ms**; "
-                  f"remote / in-process = **{result['ratio_p50']:.3f}x** (runs={result['runs']})"]
+    lines.append("")
+    for mode in ("delta", "full"):
+        lines.append(f"{mode}: {result[f'remote_{mode}_bytes_sent_p50'] / 1e6:.2f} MB sent per plan (p50); remote wall p50 - "
+                     f"in-process wall p50 = **{result[f'remote_{mode}_overhead_p50_ms']:.1f} ms**; remote / in-process = "
+                     f"**{result[f'remote_{mode}_ratio_p50']:.3f}x** (runs={result['runs']})")
     print("\n".join(lines))
     sys.stdout.flush()
 

@@ -17,9 +17,14 @@ def test_bench_serve_smoke_reports_remote_overhead(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "serve-smoke.json").read_text())
     assert (report["backend"], report["device"], report["runs"]) == ("hf", "cpu", 2)
-    for path, measures in (("remote_ms", ("wall", "total", "overhead")), ("in_process_ms", ("wall", "total"))):
+    remote_measures = ("wall", "total", "overhead", "remote.resize", "remote.encode", "serve.parse")
+    for path, measures in (("remote_delta_ms", remote_measures), ("remote_full_ms", remote_measures),
+                           ("in_process_ms", ("wall", "total"))):
         for measure in measures:
             assert 0 < report[path][measure]["p50"] <= report[path][measure]["p99"], (path, measure)
-    # the client's wall time holds the server's plan, plus what the remote path adds
-    assert report["remote_ms"]["wall"]["p50"] > report["remote_ms"]["total"]["p50"]
-    assert report["ratio_p50"] > 0 and "remote / in-process" in result.stdout
+    for mode in ("delta", "full"):  # the client's wall time holds the server's plan, plus what the remote path adds
+        assert report[f"remote_{mode}_ms"]["wall"]["p50"] > report[f"remote_{mode}_ms"]["total"]["p50"]
+        assert report[f"remote_{mode}_ratio_p50"] > 0
+    # the second plan of the stream sends only its new frames
+    assert report["remote_delta_bytes_sent_p50"] < report["remote_full_bytes_sent_p50"]
+    assert "remote / in-process" in result.stdout

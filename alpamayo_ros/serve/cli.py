@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--queue-size", type=int, default=ServerOptions.queue_size,
                         help="requests waiting for the pipeline before 503 + Retry-After")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20)
+    parser.add_argument("--frame-store-frames", type=int, default=ServerOptions.frame_store_frames,
+                        help="resized frames held for delta requests of /v1/plan (all clients)")
+    parser.add_argument("--frame-store-mb", type=float, default=ServerOptions.frame_store_bytes / 2**20)
     parser.add_argument("--max-samples", type=int, default=Limits.max_samples)
     parser.add_argument("--max-reasoning-tokens", type=int, default=Limits.max_reasoning_tokens)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM backend")
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=int(args.max_body_mb * 2**20),
         limits=limits,
         default_settings=sidecar_settings,
+        frame_store_frames=args.frame_store_frames,
+        frame_store_bytes=int(args.frame_store_mb * 2**20),
     )
     app = create_app(PipelineWorker(load, args.queue_size), server_options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -104,9 +104,7 @@ def driving_input(
         raise RequestError(names["images"], "no images")
     if images.ndim == 5 and images.shape[2] * images.shape[3] > limits.max_image_pixels:
         raise RequestError(names["images"], f"{images.shape[3]}x{images.shape[2]} pixels per image (limit {limits.max_image_pixels})")
-    unknown = [index for index in camera_indices if index not in CAMERAS]
-    if unknown:
-        raise RequestError(names["camera_indices"], f"unknown camera index {unknown} (known: {sorted(CAMERAS)})")
+    checked_cameras(camera_indices, names["camera_indices"])
     route = checked_route(route_text, limits, names.get("route_text", "route_text"))
     try:
         return DrivingInput(
@@ -121,6 +119,13 @@ def driving_input(
     except ValueError as error:
         field = str(error).split(":", 1)[0]
         raise RequestError(names.get(field, field), str(error).split(":", 1)[-1].strip()) from error
+
+
+def checked_cameras(camera_indices: tuple[int, ...] | list[int], field: str = "camera_indices") -> None:
+    """Refuse camera indices the model does not know (RequestError naming field)."""
+    unknown = [index for index in camera_indices if index not in CAMERAS]
+    if unknown:
+        raise RequestError(field, f"unknown camera index {unknown} (known: {sorted(CAMERAS)})")
 
 
 def _finite_number(value: object) -> bool:

@@ -3,6 +3,11 @@
 msgpack (through msgspec, which vLLM already brings) decodes into plain data only (no pickle, no
 code), and every array travels as {dtype, shape, data} so the receiver checks the dtype, the
 shape and the byte count before it builds a view. Decoding names the field at fault.
+
+A plan request carries its window's frames one of two ways: all of them inline (`images`), or as
+a delta within a session (`session`, `frame_size`, `sent`, `sent_slots`): only the frames the
+server does not hold yet travel, and every other slot of the (cameras, frames) window refers to
+the frame this session sent before for that camera and stamp, at that size (see frame_store).
 """
 
 from __future__ import annotations
@@ -45,10 +50,14 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
     seed: int = SamplingSettings.seed
 
 
-class PlanRequest(msgspec.Struct, forbid_unknown_fields=True):
+class PlanRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A DrivingInput (frames already resized for the vision tower) and its settings."""
 
-    images: Array  # uint8 (cameras, frames, h, w, 3)
+    images: Array | None = None  # uint8 (cameras, frames, h, w, 3): every frame inline
+    session: str | None = None  # delta requests: the client's frame-store session
+    frame_size: list[int] | None = None  # delta requests: (h, w) of every frame of the window
+    sent: Array | None = None  # delta requests: uint8 (n, h, w, 3), the frames the server lacks
+    sent_slots: list[int] = msgspec.field(default_factory=list)  # their window slots, camera-major
     camera_indices: list[int]
     frame_stamps_ns: Array  # int64 (cameras, frames)
     t0_ns: int
@@ -96,9 +105,20 @@ def unpack_array(field: str, array: Array, dtype: np.dtype | type, ndim: int) ->
     return np.frombuffer(array.data, dtype=claimed).reshape(array.shape)
 
 
-def encode_request(inputs: DrivingInput, settings: SamplingSettings) -> bytes:
+def encode_request(
+    inputs: DrivingInput, settings: SamplingSettings, *, session: str | None = None, sent_slots: list[int] | None = None
+) -> bytes:
+    """The request for inputs: every frame inline, or (with a session) a delta that carries the
+    frames of sent_slots (camera-major window slots) and refers to all others."""
+    if session is None:
+        frames: dict = {"images": pack_array(inputs.images)}
+    else:
+        slots = list(sent_slots or [])
+        flat = inputs.images.reshape(-1, *inputs.images.shape[2:])
+        frames = {"session": session, "frame_size": list(inputs.images.shape[2:4]),
+                  "sent": pack_array(flat[slots]), "sent_slots": slots}
     request = PlanRequest(
-        images=pack_array(inputs.images),
+        **frames,
         camera_indices=list(inputs.camera_indices),
         frame_stamps_ns=pack_array(inputs.frame_stamps_ns.astype(np.int64, copy=False)),
         t0_ns=int(inputs.t0_ns),

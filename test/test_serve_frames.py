@@ -1,0 +1,210 @@
+"""The binary endpoint's frame delta against a real alpamayo-serve process: a streamed window
+sends only its new frames and still plans exactly like Pipeline.plan; references the server
+cannot resolve (restart, eviction, another session) cost one full resend, never a wrong plan;
+malformed deltas are refused naming the field, storing nothing; the frame store stays bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+from serve_helpers import hf_server, small_frames_checkpoint
+
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.preprocess import VisionGeometry, smart_resize
+from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.serve import wire
+from alpamayo_ros.serve.client import RemotePlanner
+from alpamayo_ros.serve.frame_store import FrameKey, FrameStore
+from alpamayo_ros.serve.process import ServerProcess
+
+SETTINGS = SamplingSettings(num_samples=1, temperature=0.8, max_reasoning_tokens=6, flow_steps=3, seed=3)
+STORE_FRAMES = 8  # one session's window (6 frames) fits, two sessions' do not
+SPACING_NS = 100_000_000
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_frames_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("serve_frames") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("serve_frames_log") / "server.log"
+    process = hf_server(checkpoint, log, "--frame-store-frames", str(STORE_FRAMES)).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoint: Path) -> Pipeline:
+    return Pipeline.from_checkpoint(checkpoint, backend="hf", device="cpu")
+
+
+def stream(make_driving_input: Callable[..., DrivingInput], windows: int, seed: int) -> list[DrivingInput]:
+    """Consecutive windows of 2 cameras x 3 frames (128x192): each moves on by one new frame per camera."""
+    window = make_driving_input(camera_indices=(0, 2), frames=3, height=128, width=192, seed=seed)
+    result = [window]
+    for index in range(1, windows):
+        fresh = make_driving_input(camera_indices=(0, 2), frames=1, height=128, width=192, seed=seed * 100 + index)
+        window = DrivingInput(
+            images=np.concatenate([window.images[:, 1:], fresh.images], axis=1),
+            camera_indices=window.camera_indices,
+            frame_stamps_ns=window.frame_stamps_ns + SPACING_NS,
+            t0_ns=window.t0_ns + SPACING_NS,
+            ego_history_xyz=window.ego_history_xyz,
+            ego_history_rot=window.ego_history_rot,
+        )
+        result.append(window)
+    return result
+
+
+def assert_same_plan(remote: Plan, local: Plan) -> None:
+    np.testing.assert_allclose(remote.xyz, local.xyz, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(remote.rot, local.rot, atol=1e-5, rtol=0)
+    assert remote.generated_ids == local.generated_ids
+
+
+def store_stats(server: ServerProcess) -> dict:
+    return httpx.get(server.url + "/v1/plan/info", timeout=30).json()["frame_store"]
+
+
+def test_delta_stream_plans_like_the_pipeline_and_sends_only_new_frames(
+    server: ServerProcess, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    windows = stream(make_driving_input, 4, seed=1)
+    delta, full = RemotePlanner(server.url, timeout_s=120), RemotePlanner(server.url, timeout_s=120, delta=False)
+    sizes = []
+    for inputs in windows:
+        plan = delta.plan(inputs, SETTINGS)
+        assert_same_plan(plan, pipeline.plan(inputs, SETTINGS))
+        assert "serve.parse" in plan.timings_ms and "serve.queue" in plan.timings_ms
+        sizes.append(delta.last_request_bytes)
+    assert_same_plan(full.plan(windows[-1], SETTINGS), pipeline.plan(windows[-1], SETTINGS))
+    frame_bytes = 64 * 96 * 3  # the small-frames checkpoint resizes 128x192 to 64x96
+    assert sizes[0] > 6 * frame_bytes and full.last_request_bytes > 6 * frame_bytes  # the first window: all 6 frames
+    assert all(2 * frame_bytes < size < 3 * frame_bytes for size in sizes[1:]), sizes  # then the 2 new ones
+    assert store_stats(server)["frames"] <= STORE_FRAMES
+    delta.close()
+    full.close()
+
+
+def test_reused_stamp_with_new_pixels_is_sent_not_referred_to(
+    server: ServerProcess, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    """A paused simulator: the same stamps with other pixels. The key is exact, so the frames travel again."""
+    first = make_driving_input(camera_indices=(0, 2), frames=3, height=128, width=192, seed=7)
+    repainted = make_driving_input(camera_indices=(0, 2), frames=3, height=128, width=192, seed=8)
+    planner = RemotePlanner(server.url, timeout_s=120)
+    planner.plan(first, SETTINGS)
+    assert_same_plan(planner.plan(repainted, SETTINGS), pipeline.plan(repainted, SETTINGS))
+    assert planner.last_request_bytes > 6 * 64 * 96 * 3
+    planner.close()
+
+
+def test_sessions_evicting_each_other_resend_and_the_store_stays_bounded(
+    server: ServerProcess, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    """Two clients' windows (12 frames) do not fit the store's 8: each finds its references
+    evicted (409), sends its window again, and plans as the pipeline does."""
+    planners = [RemotePlanner(server.url, timeout_s=120) for _ in range(2)]
+    streams = [stream(make_driving_input, 3, seed=20 + index) for index in range(2)]
+    for step in range(3):
+        for planner, windows in zip(planners, streams):
+            assert_same_plan(planner.plan(windows[step], SETTINGS), pipeline.plan(windows[step], SETTINGS))
+            held = store_stats(server)
+            assert held["frames"] <= STORE_FRAMES and held["bytes"] <= STORE_FRAMES * 64 * 96 * 3
+    assert planners[1].last_request_bytes > 6 * 64 * 96 * 3  # its references were gone: the whole window
+    for planner in planners:
+        planner.close()
+
+
+def resized_window(server: ServerProcess, make_driving_input: Callable[..., DrivingInput]) -> DrivingInput:
+    """A window whose frames are already at the server's frame size, for hand-made requests."""
+    geometry = VisionGeometry(**httpx.get(server.url + "/v1/plan/info", timeout=30).json()["vision"])
+    height, width = smart_resize(128, 192, geometry)
+    return make_driving_input(camera_indices=(0, 2), frames=3, height=height, width=width, seed=30)
+
+
+def post(server: ServerProcess, body: bytes) -> httpx.Response:
+    return httpx.post(server.url + "/v1/plan", content=body, headers={"content-type": wire.CONTENT_TYPE}, timeout=120)
+
+
+def test_unknown_references_get_409_naming_the_frames(
+    server: ServerProcess, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    inputs = resized_window(server, make_driving_input)
+    response = post(server, wire.encode_request(inputs, SETTINGS, session="never-sent-anything", sent_slots=[0, 1]))
+    error = response.json()["error"]
+    assert response.status_code == 409 and error["code"] == "frames_missing" and error["param"] == "sent_slots"
+    assert "4 referenced frames" in error["message"] and f"camera 2 stamp {inputs.frame_stamps_ns[1, 2]}" in error["message"]
+
+
+def test_malformed_deltas_are_refused_naming_the_field_and_store_nothing(
+    server: ServerProcess, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    inputs = resized_window(server, make_driving_input)
+    every = list(range(6))
+
+    def request(**changes: object) -> bytes:
+        fields = wire.decode_request(wire.encode_request(inputs, SETTINGS, session="malformed", sent_slots=every))
+        for name, value in changes.items():
+            setattr(fields, name, value)
+        return msgspec.msgpack.encode(fields)
+
+    half_height = wire.pack_array(inputs.images.reshape(6, *inputs.images.shape[2:])[:, ::2])
+    cases = {
+        "camera_indices": request(camera_indices=[0, 42]),
+        "sent": request(sent=half_height),
+        "frame_size": request(frame_size=[inputs.images.shape[2] + 1, inputs.images.shape[3]]),
+        "sent_slots": request(sent_slots=[0, 1, 2, 3, 4, 6]),
+        "session": request(session="../../etc"),
+        "images": request(images=wire.pack_array(inputs.images)),
+        "frame_stamps_ns": request(frame_stamps_ns=wire.pack_array(inputs.frame_stamps_ns[:1])),
+    }
+    before = store_stats(server)["frames"]
+    for field, body in cases.items():
+        response = post(server, body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == field, (field, error)
+        assert error["message"].startswith(f"{field}:"), error
+    assert store_stats(server)["frames"] == before  # nothing of a refused request was kept
+    full = post(server, wire.encode_request(inputs, SETTINGS))  # the old full-frame request needs no session
+    assert full.status_code == 200 and wire.decode_reply(full.content).xyz.shape == (1, 64, 3)
+
+
+def test_frame_store_bounds_count_and_bytes() -> None:
+    store = FrameStore(max_frames=3, max_bytes=3 * 100)
+    frame = np.zeros((10, 10, 1), dtype=np.uint8)  # 100 bytes
+    keys = [FrameKey("s", 0, stamp, 10, 10) for stamp in range(5)]
+    store.put({key: frame for key in keys[:3]})
+    store.take([keys[0]])  # keys[0] becomes the most recent
+    store.put({keys[3]: frame})
+    found, missing = store.take(keys[:4])
+    assert set(found) == {keys[0], keys[2], keys[3]} and missing == [keys[1]]
+    store.put({keys[4]: np.zeros((10, 10, 2), dtype=np.uint8)})  # 200 bytes: two older frames go
+    assert len(store) == 2 and store.nbytes == 300
+    store.put({keys[0]: np.zeros((40, 10, 1), dtype=np.uint8)})  # over max_bytes alone: not kept
+    assert store.nbytes <= 300 and store.take([keys[0]])[1] == [keys[0]]
+    with pytest.raises(ValueError, match="max_frames"):
+        FrameStore(max_frames=-1, max_bytes=0)
+
+
+def test_server_restart_mid_stream_costs_one_resend_not_an_error(
+    server: ServerProcess, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    """Last in the module: it restarts the module's server (on the same port)."""
+    windows = stream(make_driving_input, 4, seed=40)
+    planner = RemotePlanner(server.url, timeout_s=120)
+    for inputs in windows[:2]:
+        planner.plan(inputs, SETTINGS)
+    server.stop()
+    server.start()  # an empty frame store: the next window's references are unknown
+    for inputs in windows[2:]:
+        assert_same_plan(planner.plan(inputs, SETTINGS), pipeline.plan(inputs, SETTINGS))
+    assert 2 * 64 * 96 * 3 < planner.last_request_bytes < 3 * 64 * 96 * 3  # after the one resend, deltas again
+    planner.close()
