@@ -66,6 +66,7 @@ def test_remote_plans_equal_in_process_plans(server: ServerProcess, pipeline: Pi
         np.testing.assert_allclose(remote.xyz, local.xyz, atol=1e-5, rtol=0)
         np.testing.assert_allclose(remote.rot, local.rot, atol=1e-5, rtol=0)
         assert remote.coc == local.coc and remote.generated_ids == local.generated_ids
+        assert remote.reasoning_closed == local.reasoning_closed and len(remote.reasoning_closed) == len(local.coc)
         assert remote.t0_ns == inputs.t0_ns and "cfg_prefill" in remote.timings_ms  # the route reached the prompt
         assert remote.timings_ms["remote.roundtrip"] >= remote.timings_ms["total"]
     assert planner.backend == "remote:hf"

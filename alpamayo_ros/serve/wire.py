@@ -73,6 +73,7 @@ class PlanReply(msgspec.Struct, forbid_unknown_fields=True):
     xyz: Array  # float32 (samples, 64, 3)
     rot: Array  # float32 (samples, 64, 3, 3)
     coc: list[str]
+    reasoning_closed: list[bool]  # per sample: False = the reasoning was cut at the token budget
     generated_ids: list[list[int]]
     t0_ns: int
     backend: str
@@ -145,6 +146,7 @@ def encode_reply(plan: Plan) -> bytes:
         xyz=pack_array(plan.xyz.astype(np.float32, copy=False)),
         rot=pack_array(plan.rot.astype(np.float32, copy=False)),
         coc=list(plan.coc),
+        reasoning_closed=list(plan.reasoning_closed),
         generated_ids=[list(row) for row in plan.generated_ids],
         t0_ns=int(plan.t0_ns),
         backend=plan.backend,
@@ -162,6 +164,7 @@ def decode_reply(body: bytes) -> Plan:
         xyz=unpack_array("reply.xyz", reply.xyz, np.float32, 3).copy(),
         rot=unpack_array("reply.rot", reply.rot, np.float32, 4).copy(),
         coc=reply.coc,
+        reasoning_closed=reply.reasoning_closed,
         generated_ids=reply.generated_ids,
         t0_ns=reply.t0_ns,
         backend=reply.backend,
