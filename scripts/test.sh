@@ -8,5 +8,6 @@ bash scripts/setup.sh
 export FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA   # large best-effort images are dropped otherwise
 export AMENT_PREFIX_PATH="$ROOT/.venv"          # get_package_share_directory() without sourcing
 export PYTHONUNBUFFERED=1
+# Two workers, a test file each at a time (see test/conftest.py); `-n 0` runs in this process.
 # pytest exits 5 when nothing was collected: that is a failure here too.
-exec "$ROOT/.venv/bin/python" -m pytest test -p no:cacheprovider -rfEs --timeout=900 "$@"
+exec "$ROOT/.venv/bin/python" -m pytest test -p no:cacheprovider -rfEs --timeout=900 -n 2 --dist loadfile --no-loadscope-reorder "$@"

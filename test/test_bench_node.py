@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,31 @@ from alpamayo_ros.ros.testing import ros_env, unique_domain_id
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = 3
+HANG_S = 600
 MEASURES = ("e2e_ms", "latency_ms", "input_age_ms", "total_ms", "node_overhead_ms", "inbound_ms",
             "receive_ms", "input_wait_ms", "transport_queueing_ms", "publish_lag_ms")  # fmt: skip
+
+
+def run_bench(command: list[str], env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
+    """Run the bench; a hang fails with its output and the node's log instead of pytest's bare timeout.
+
+    The bench's own waits are bounded (ready 300 s, 60 s between plans); past HANG_S it is stopped
+    with SIGINT, so it stops its node and publisher too.
+    """
+    bench = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = bench.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            bench.kill()
+            stdout, stderr = bench.communicate()
+        node_log = out / "node.log"
+        node_tail = node_log.read_text(errors="replace")[-3000:] if node_log.exists() else "(no node log)"
+        pytest.fail(f"bench_node still running after {HANG_S} s\n{stderr[-4000:]}\nnode log:\n{node_tail}")
+    return subprocess.CompletedProcess(command, bench.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize("transport", ["raw", "compressed"])
@@ -34,11 +58,11 @@ def test_bench_node_reports_finite_latencies(tmp_path: Path, tiny_checkpoint: Pa
         "--max-reasoning-tokens", "8", "--domain-id", str(domain_id), "--out", str(tmp_path / "run"),
         "--json", str(report_path),
         # a busy CI box may delay frames; the bench measures, it does not test the node's freshness gates
-        "--param", "cameras.max_age_s=1.0", "--plan-timeout-s", "60",
+        "--param", "cameras.max_age_s=1.0", "--plan-timeout-s", "60", "--ready-timeout-s", "300",
     ]  # fmt: skip
     if transport == "compressed":
         command += ["--reference-plans", "1"]
-    result = subprocess.run(command, env=ros_env(domain_id), capture_output=True, text=True, timeout=900)
+    result = run_bench(command, ros_env(domain_id), tmp_path / "run")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads(report_path.read_text())
 
