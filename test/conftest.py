@@ -60,7 +60,9 @@ def make_driving_input() -> Callable[..., DrivingInput]:
 # worker at a time (`--dist loadfile`, so a module's server or engine is built once) in this order
 # (`--no-loadscope-reorder`); starting the long files first keeps one worker from finishing alone
 # with the soak still ahead of it.
-LONG_FILES_FIRST = ("test_node_soak.py", "test_tensor_parallel.py", "test_vllm_backend.py", "test_serve_vllm.py")
+LONG_FILES_FIRST = (
+    "test_node_soak.py", "test_tensor_parallel.py", "test_serve_frames.py", "test_vllm_backend.py", "test_serve_vllm.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
