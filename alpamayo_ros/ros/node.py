@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from functools import partial
 from typing import Any, Callable
 
@@ -67,6 +68,7 @@ NODE_NAME = "alpamayo_drive"
 LOG_THROTTLE_S = 5.0
 NS_PER_MS = 1_000_000
 STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step (a prefill can take longer)
+SIGNAL_SHUTDOWN_WAIT_S = 1.0  # rclpy's signal thread shuts the context down within this
 EXIT_LOAD_FAILED = 1
 
 
@@ -334,6 +336,16 @@ def _exit_frees_planner(settings: DriveSettings) -> bool:
     return settings.backend_options.get("tensor_parallel_size", 1) == 1
 
 
+def _goes_down(context: Any, within_s: float) -> bool:
+    """Whether the ROS context is shut down now or within within_s."""
+    deadline = time.monotonic() + within_s
+    while context.ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _ros_args(args: list[str]) -> list[str]:
     """The arguments after --ros-args (up to a closing --)."""
     if "--ros-args" not in args:
@@ -378,7 +390,9 @@ def main(args: list[str] | None = None) -> int:
             except RuntimeError:
                 # A signal shut ROS down while it was in use: rclpy's take_message fails ("Unable
                 # to convert call argument"), or so does building the node. Not an error then.
-                if ros.context.ok():
+                # rclpy shuts the context down from its own signal thread, which can lag the
+                # failure it causes here by a moment: wait for it before calling this an error.
+                if not _goes_down(ros.context, SIGNAL_SHUTDOWN_WAIT_S):
                     raise
             finally:
                 if node is not None:
