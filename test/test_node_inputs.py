@@ -16,7 +16,6 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Path as PathMsg
 from rclpy.parameter import Parameter
-from rclpy.parameter_client import AsyncParameterClient
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.testing import (
@@ -77,10 +76,8 @@ class Harness:
         return self.paths.since(since)
 
     def set_parameter(self, parameter: Parameter) -> None:
-        client = AsyncParameterClient(self.side.node, "alpamayo_drive")
-        assert client.wait_for_services(timeout_sec=20.0)
-        future = client.set_parameters([parameter])
-        assert wait_until(future.done, timeout_s=20) and future.result().results[0].successful
+        (result,) = self.side.set_parameters("alpamayo_drive", [parameter])
+        assert result.successful, result.reason
 
 
 @pytest.fixture(scope="module")

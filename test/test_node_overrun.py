@@ -11,7 +11,6 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Path as PathMsg
 from rclpy.parameter import Parameter
-from rclpy.parameter_client import AsyncParameterClient
 from alpamayo_ros.ros.testing import (
     CameraFeed,
     RosSide,
@@ -149,13 +148,8 @@ def test_slow_inference_publishes_latest_only_and_counts_overruns(sim: SimHarnes
 
 
 def test_sampling_parameters_update_at_runtime(sim: SimHarness) -> None:
-    client = AsyncParameterClient(sim.side.node, "alpamayo_drive")
-    assert client.wait_for_services(timeout_sec=20.0)
-
     def set_parameters(*parameters: Parameter) -> list:
-        future = client.set_parameters(list(parameters))
-        assert wait_until(future.done, timeout_s=20)
-        return future.result().results
+        return sim.side.set_parameters("alpamayo_drive", list(parameters))
 
     (bad,) = set_parameters(Parameter("sampling.selection", Parameter.Type.STRING, "best"))
     assert not bad.successful and "sampling.selection" in bad.reason

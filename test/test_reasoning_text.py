@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from rclpy.parameter import Parameter
-from rclpy.parameter_client import AsyncParameterClient
 from safetensors.torch import load_file, save_file
 
 from alpamayo_ros.ros.testing import (
@@ -104,10 +103,8 @@ def test_the_node_says_whether_the_reasoning_closed(tiny_checkpoint: Path, tmp_p
         assert (cut.coc, cut.closed, cut.generated_tokens) == (WORD, False, 1)
         assert (list(cut.sample_cocs), list(cut.sample_closed)) == ([WORD, WORD], [False, False])
 
-        client = AsyncParameterClient(side.node, "alpamayo_drive")
-        assert client.wait_for_services(timeout_sec=20.0)
-        future = client.set_parameters([Parameter("sampling.max_reasoning_tokens", value=8)])
-        assert wait_until(future.done, timeout_s=20) and future.result().results[0].successful
+        (result,) = side.set_parameters("alpamayo_drive", [Parameter("sampling.max_reasoning_tokens", value=8)])
+        assert result.successful, result.reason
         assert wait_until(lambda: any(m.closed for m in reasoning.messages), TIMEOUT_S), log.read_text()[-4000:]
         closed = next(m for m in reasoning.messages if m.closed)
         assert (closed.coc, closed.generated_tokens) == (WORD, 3)  # Stop, <|cot_end|>, <|traj_future_start|>

@@ -158,6 +158,16 @@ class RosSide:
     def wait_for_subscribers(self, topic: str, count: int = 1, timeout_s: float = 20.0) -> bool:
         return wait_until(lambda: self.node.count_subscribers(topic) >= count, timeout_s)
 
+    def set_parameters(self, node_name: str, parameters: list[Any], timeout_s: float = 20.0) -> list[Any]:
+        """Set parameters on a running node through its parameter service; its per-parameter results."""
+        from rclpy.parameter_client import AsyncParameterClient
+
+        client = AsyncParameterClient(self.node, node_name)
+        assert client.wait_for_services(timeout_sec=timeout_s), f"{node_name}: no parameter services"
+        future = client.set_parameters(parameters)
+        assert wait_until(future.done, timeout_s), f"{node_name}: set_parameters unanswered"
+        return future.result().results
+
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=2.0)
         self.node.destroy_node()
