@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +55,15 @@ def make_driving_input() -> Callable[..., DrivingInput]:
         )
 
     return make
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests send SIGINT to the processes they start and expect Python's KeyboardInterrupt there.
+    A suite started in the background by a shell without job control (`bash scripts/test.sh &`)
+    inherits SIGINT ignored, every child would too, and Python installs no handler for an
+    ignored SIGINT: restore the default here (each xdist worker runs this too)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # Files that take minutes, longest first. The suite runs on two pytest-xdist workers, a file per

@@ -91,14 +91,17 @@ def per_t0(doc: dict) -> dict[str, list[dict]]:
 
 def test_two_workers_give_the_single_process_report_and_report_a_corrupt_bag(bags, corrupt_bag, params_file, tmp_path):
     inputs = [*bags[:2], corrupt_bag, *bags[2:]]
-    # A Ray worker of one CPU runs torch on one thread; float sums depend on the thread count
-    # (1e-5 m apart), so the single process gets one thread too, and the numbers must be identical.
-    single = start(eval_command(inputs, params_file, tmp_path / "single"), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # Float sums depend on torch's thread count (1e-5 m apart), so both runs get one thread and the
+    # numbers must be identical. Set for the fleet too: Ray keeps an OMP_NUM_THREADS its driver
+    # inherits, and this test process may carry one (a suite run once handed it 2).
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = start(eval_command(inputs, params_file, tmp_path / "single"), env=one_thread)
     single_log = finish(single)
     assert single.returncode == 1, single_log  # a failed bag makes the run fail, after the report is written
-    fleet = start(eval_command(inputs, params_file, tmp_path / "ray", "--ray", "--workers", "2"))
+    fleet = start(eval_command(inputs, params_file, tmp_path / "ray", "--ray", "--workers", "2"), env=one_thread)
     fleet_log = finish(fleet)
     assert fleet.returncode == 1, fleet_log
+    assert fleet_log.count("1 torch thread(s)") == 2, fleet_log  # what the workers ran with
 
     want = json.loads((tmp_path / "single" / "report.json").read_text())
     got = json.loads((tmp_path / "ray" / "report.json").read_text())

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from tqdm import tqdm
 
@@ -55,8 +56,11 @@ class BagWorker:
         self._progress: tuple[str, int, int] = ("", 0, 0)
 
     def info(self) -> dict[str, Any]:
-        """Where this worker runs (its log is the Ray worker log of this pid on that node)."""
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node_ip": ray.util.get_node_ip_address()}
+        """Where this worker runs (its log is the Ray worker log of this pid on that node), and its
+        torch thread count: Ray sets OMP_NUM_THREADS to the worker's CPUs unless the driver's
+        environment already has it, and float sums differ with the thread count."""
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
+                "torch_threads": torch.get_num_threads()}
 
     def run(self, job: EvalJob) -> JobOutcome:
         def on_tick(done: int, total: int) -> None:
@@ -173,7 +177,8 @@ class _Driver:
         slot.pids.append(info["pid"])
         slot.host = info["host"]
         slot.info_ref = None
-        logger.info("worker %d ready: pid %d on %s (%s)", slot.index, info["pid"], info["host"], info["node_ip"])
+        logger.info("worker %d ready: pid %d on %s (%s), %d torch thread(s)", slot.index, info["pid"], info["host"],
+                    info["node_ip"], info["torch_threads"])
 
     def _dispatch(self) -> None:
         for slot in self.slots:
