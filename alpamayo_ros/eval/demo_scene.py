@@ -61,8 +61,6 @@ ACK_TIMEOUT_S = 60.0  # lockstep: hang guard for the node acknowledging the sens
 
 
 @dataclass
-
-
 class DemoOptions:
     out: Path
     checkpoint: Path | None = None
