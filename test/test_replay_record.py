@@ -52,6 +52,21 @@ def _write_source_bag(path: Path) -> None:
             w.write("/alpamayo/trajectories", TRAJ_SET, T0 + 500_000_000 + j * 100_000_000, msg)
 
 
+def replay(src: Path, env: dict[str, str], rec_log: Path, *args: str, timeout_s: float) -> str:
+    """Run alpamayo-replay to its end and return its output; a failure or a hang shows both
+    processes' logs (the recorder's says whether it discovered the topics)."""
+    try:
+        play = subprocess.run([str(VENV_BIN / "alpamayo-replay"), str(src), *args],
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as hung:  # its output arrives as bytes even with text=True
+        said = hung.stderr.decode(errors="replace") if isinstance(hung.stderr, bytes) else hung.stderr or ""
+        raise AssertionError(f"replay still running after {timeout_s} s\n--- replay:\n{said}\n"
+                             f"--- recorder:\n{rec_log.read_text()}") from None
+    output = play.stdout + play.stderr
+    assert play.returncode == 0, f"{output}\n--- recorder:\n{rec_log.read_text()}"
+    return output
+
+
 @pytest.fixture(scope="module")
 def round_trip(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rr")
@@ -64,10 +79,8 @@ def round_trip(tmp_path_factory):
         rec = subprocess.Popen([str(VENV_BIN / "alpamayo-record"), "--topics", *topics, "/clock", "--out", str(out)],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        play = subprocess.run([str(VENV_BIN / "alpamayo-replay"), str(src), "--rate", "2", "--wait-timeout", "30"],
-                              env=env, capture_output=True, text=True, timeout=90)
-        assert play.returncode == 0, play.stdout + play.stderr
-        assert "published 77 messages" in play.stdout + play.stderr
+        output = replay(src, env, rec_log, "--rate", "2", "--wait-timeout", "30", timeout_s=90)
+        assert "published 77 messages" in output
     finally:
         code = stop_process(rec, timeout_s=30)
     assert code == 0, rec_log.read_text()
@@ -141,10 +154,8 @@ def test_sim_time_recorder_keeps_the_first_messages_of_a_replay(tmp_path):
                                 "--out", str(out), "--ros-args", "-p", "use_sim_time:=true"],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        play = subprocess.run([str(VENV_BIN / "alpamayo-replay"), str(src), "--wait-timeout", "60"],
-                              env=env, capture_output=True, text=True, timeout=120)
-        assert play.returncode == 0, play.stdout + play.stderr
-        assert "no subscriber" not in play.stdout + play.stderr  # the recorder was listening before /clock
+        output = replay(src, env, rec_log, "--wait-timeout", "60", timeout_s=120)
+        assert "no subscriber" not in output, rec_log.read_text()  # the recorder was listening before /clock
     finally:
         code = stop_process(rec, timeout_s=30)
     assert code == 0, rec_log.read_text()

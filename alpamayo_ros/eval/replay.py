@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,6 +28,9 @@ from alpamayo_ros.eval.bags import kilted_typestore, message_class
 from alpamayo_ros.ros.convert import ns_to_stamp
 
 logger = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 5.0  # per topic
+TEARDOWN_TIMEOUT_S = 10.0
 
 
 def _offered_durability(connection: Any) -> DurabilityPolicy:
@@ -105,11 +110,32 @@ class BagPlayer:
             count += 1
         return count
 
-    def flush(self, timeout_s: float = 5.0) -> None:
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
         """Wait until reliable readers acknowledged everything, so exiting loses nothing."""
         for topic, pub in self._pubs.items():
             if not pub.wait_for_all_acked(Duration(seconds=timeout_s)):
                 logger.warning("replay: %s not fully acknowledged after %.1f s", topic, timeout_s)
+
+
+class _ExitGuard:
+    """Ends the process if the work after playback (flush, DDS teardown) outlives its budget.
+
+    The bag is played by then; a DDS peer that vanished mid-handshake must not keep a scripted
+    replay (a test, a CI job) waiting forever. The warning names the step that stalled.
+    """
+
+    def __init__(self) -> None:
+        self.step = "flush"
+
+    def start(self, seconds: float) -> None:
+        timer = threading.Timer(seconds, self._expire, args=(seconds,))
+        timer.daemon = True
+        timer.start()
+
+    def _expire(self, seconds: float) -> None:
+        logger.warning("replay: %s still running %.0f s after playback ended; exiting anyway", self.step, seconds)
+        logging.shutdown()
+        os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -127,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rclpy.init(args=["alpamayo_replay", *ros_args])
     node = rclpy.create_node("alpamayo_replay")
     player = None
+    guard = _ExitGuard()
     try:
         player = BagPlayer(node, args.bag, args.rate, args.topics, args.clock_hz)
         if args.wait_timeout > 0:
@@ -135,11 +162,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             n = player.play_once()
             logger.info("replay: published %d messages on %d topics", n, len(player.topics))
             if not args.loop:
+                guard.start(FLUSH_TIMEOUT_S * len(player.topics) + TEARDOWN_TIMEOUT_S)
                 player.flush()
                 break
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        guard.step = "ROS teardown"
         if player is not None:
             player.close()
         node.destroy_node()
