@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -64,26 +65,33 @@ LAP_SHIFT_M = 50.0  # ... somewhere else
 
 
 def write_circle_bag(path: Path, with_plans: bool = False, seed: int = 0, laps: int = 1,
-                     routes: tuple[tuple[int, str], ...] = ()) -> Path:
+                     routes: tuple[tuple[int, str], ...] = (), *, topics: Sequence[str] = tuple(CAM_TOPICS),
+                     duration_s: float = DURATION_S, frames: Sequence[Sequence[np.ndarray]] | None = None) -> Path:
     """12 s on the circle: odometry 50 Hz, two cameras 10 Hz (random pixels of seed); optionally the
     node's plans (TrajectorySet in base_link) that equal the recorded future at PLAN_T0S, a route
     (std_msgs/String on the node's default navigation topic) at each (log time, text), and more
-    laps whose stamps loop back (a bag recorded from a looping replay)."""
+    laps whose stamps loop back (a bag recorded from a looping replay).
+
+    Benchmarks ask for more: other camera topics, a longer drive and their own images (frames[c]
+    is cycled on topics[c]; random 32x48 pixels take megabytes per frame as full-HD JPEG)."""
     rng = np.random.default_rng(seed)
     with BagWriter(path, storage="mcap") as w:
         for log_ns, text in routes:
             w.write(ROUTE_TOPIC, "std_msgs/msg/String", log_ns, w.typestore.types["std_msgs/msg/String"](data=text))
         for lap in range(laps):
-            for i in range(int(DURATION_S * 50) + 1):  # odometry 50 Hz, logged 3 ms after capture
+            for i in range(int(duration_s * 50) + 1):  # odometry 50 Hz, logged 3 ms after capture
                 t = T_START + i * S // 50 + lap * LAP_STAMP_SHIFT_NS
-                log = t + lap * LAP_LOG_NS
+                log = t + lap * int((duration_s + 1) * S)  # LAP_LOG_NS at the default duration
                 xyz, yaw = pose_at(t)
                 xyz[0] += lap * LAP_SHIFT_M
                 w.write("/odom", "nav_msgs/msg/Odometry", log + 3_000_000,
                         w.odometry(t, xyz, (0.0, 0.0, math.sin(yaw / 2), math.cos(yaw / 2)), (SPEED, 0, 0), (0, 0, SPEED / RADIUS)))
                 if i % 5 == 0:  # cameras 10 Hz, 7 ms apart, logged 20 ms after capture
-                    for c, topic in enumerate(CAM_TOPICS):
-                        img = rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)
+                    for c, topic in enumerate(topics):
+                        if frames is None:
+                            img = rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)
+                        else:
+                            img = frames[c][i // 5 % len(frames[c])]
                         stamp = t + c * 7_000_000
                         w.write(topic, "sensor_msgs/msg/CompressedImage", log + c * 7_000_000 + 20_000_000,
                                 w.compressed_image(img, stamp, topic))

@@ -114,6 +114,7 @@ def test_two_workers_give_the_single_process_report_and_report_a_corrupt_bag(bag
     workers = got["workers"]
     assert len(workers) == 2 and all(w["bags"] >= 1 for w in workers) and sum(w["bags"] for w in workers) == len(bags)
     assert sum(w["plans"] for w in workers) == got["summary"]["count"]
+    assert got["busy_s"] == pytest.approx(sum(w["busy_s"] for w in workers), abs=0.01) and want["busy_s"] > 0
     assert all(w["plans_per_s"] > 0 and w["deaths"] == 0 for w in workers) and got["worker_deaths_retried"] == 0
     md = (tmp_path / "ray" / "report.md").read_text()
     assert "## Failed bags" in md and corrupt_bag.name in md and "## Ray workers" in md

@@ -364,7 +364,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     meta: dict[str, Any] = {"checkpoint": settings.checkpoint_path if options.needs_model else None,
                             "backend": f"recorded plans on {args.plans_topic}" if args.plans_topic else settings.backend,
                             "failed": [f.to_json() for f in summary.failures], "interrupted": summary.interrupted,
-                            "unfinished": summary.unfinished(jobs)}
+                            "unfinished": summary.unfinished(jobs),
+                            # time in jobs, model loads excluded: plans / busy_s is the throughput, as per Ray worker
+                            "busy_s": round(sum(o.wall_s for o in outcomes), 3)}
     if args.ray:
         meta.update(workers=summary.workers, worker_deaths_retried=summary.retries)
     if args.t0s_from:
