@@ -1,11 +1,16 @@
 """Soak (issue 12 acceptance 3): a real alpamayo_drive process on the tiny checkpoint, driven at
 10 Hz for 10 minutes. Its resident memory must stay flat after warm-up: the per-minute lowest RSS
 may grow by at most 0.5 MB/min in the typical minute (median of the minute-to-minute changes over
-the last 8 minutes). A leak grows every minute; the allocator's high-water mark instead rises once
-and stays (seen as a single 16 MB step on a loaded machine, and in CI as one 90 MB step between
-minutes 2 and 3, flat to 0.2 MB for the six minutes after). So one step is allowed, up to
-MAX_STEP_MB; a second step above STEP_MB is a leak that grows in bursts. Every Path must carry its
-input's t0 (a camera stamp the rig published), strictly increasing.
+the last 8 minutes), and may rise above its earlier highest minute in at most one step. Every Path
+must carry its input's t0 (a camera stamp the rig published), strictly increasing.
+
+The node runs with glibc's mmap threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_). By default the
+threshold rises to the largest buffer freed so far, after which a plan's large transient buffers
+come from the heap, and the heap's footprint climbs to a plateau in steps whose timing varies from
+run to run (measured: one 30 MB step then flat for 10 minutes; 62 MB in four steps over 7 minutes
+in a suite run; in CI one 90 MB step then flat). With the threshold fixed, those buffers are mapped
+and unmapped whole and the heap stayed at one size for 11 minutes; what can still grow is what the
+node keeps: a leak of small objects grows the heap, a leak of large ones the mappings, both RSS.
 
 Robust on a loaded machine: the plan rate may drop, but the memory bound is per minute of
 running, and the stamps' order does not depend on speed.
@@ -37,8 +42,9 @@ SOAK_S = 600.0
 SETTLE_S = 120.0  # allocator and caches settle; the slope is fitted after this
 SAMPLE_EVERY_S = 2.0
 MAX_SLOPE_MB_PER_MIN = 0.5
-STEP_MB = 2.0  # a minute whose floor rises more than this is a step
-MAX_STEP_MB = 200.0  # the one high-water step allowed; the 1 MB route fault grew 800 MB
+STEP_MB = 2.0  # a minute whose floor rises more than this above every earlier minute is a step
+MAX_STEP_MB = 100.0  # the one step allowed (a late first touch); the 1 MB route fault grew 800 MB
+FIXED_MMAP_THRESHOLD = str(2**20)
 
 
 def rss_mb(pid: int) -> float:
@@ -64,9 +70,8 @@ def test_ten_minutes_at_10_hz_keeps_memory_flat_and_stamps_increasing(tmp_path: 
     paths = side.collect(PathMsg, "/alpamayo_drive/output/path", side.reliable(depth=100))
     rig = SensorRig(side, cameras, odometry_topic="/soak/odom", route_topic="/soak/route").start()
     log = tmp_path / "node.log"
-    process = start_console_script(
-        "alpamayo_drive", env=ros_env(domain_id, OMP_NUM_THREADS="1"), log_path=log, params_file=params
-    )
+    env = ros_env(domain_id, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=FIXED_MMAP_THRESHOLD)
+    process = start_console_script("alpamayo_drive", env=env, log_path=log, params_file=params)
     samples: list[tuple[float, float]] = []  # (minutes since the first plan, RSS MB)
     try:
         assert wait_until(lambda: len(paths) >= 1, timeout_s=300), log.read_text()[-3000:]
@@ -96,9 +101,10 @@ def test_ten_minutes_at_10_hz_keeps_memory_flat_and_stamps_increasing(tmp_path: 
     )
     trace = " ".join(f"{m}:{r:.0f}" for m, r in floors.items())
     assert slope < MAX_SLOPE_MB_PER_MIN, f"RSS grows {slope:.2f} MB/min (minute:MB {trace})"
-    steps = per_minute[per_minute > STEP_MB]
+    rises = levels[1:] - np.maximum.accumulate(levels)[:-1]  # above every earlier minute's floor
+    steps = rises[rises > STEP_MB]
     assert len(steps) <= 1, f"RSS rose in {len(steps)} steps (minute:MB {trace})"
-    assert per_minute.max() < MAX_STEP_MB, f"RSS rose {per_minute.max():.0f} MB in a minute (minute:MB {trace})"
+    assert rises.max() < MAX_STEP_MB, f"RSS rose {rises.max():.0f} MB in a minute (minute:MB {trace})"
 
     published = {stamp for camera in cameras for stamp in camera.stamps_ns}
     t0s = [stamp_to_ns(path.header.stamp) for path in paths.messages]
