@@ -44,13 +44,13 @@ import torch
 from ..core.frame_cache import FrameCache, frame_keys
 from ..core.preprocess import VisionGeometry, smart_resize
 from ..core.types import DrivingInput, Plan, SamplingSettings
+from ..settings import FRAME_TRANSPORTS
 from . import wire
 from .shm import FrameSegment, is_loopback
 
 logger = logging.getLogger(__name__)
 
 FRAME_CACHE = 32  # two windows of 4 cameras x 4 frames, like the pipeline's
-FRAME_TRANSPORTS = ("auto", "shm", "resized")
 
 
 class RemoteError(RuntimeError):
