@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-from serve_helpers import hf_server, small_frames_checkpoint
+from serve_helpers import hf_server, plan_segments, small_frames_checkpoint
 
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.preprocess import VisionGeometry, smart_resize
@@ -76,10 +76,6 @@ def assert_same_plan(remote: Plan, local: Plan) -> None:
 
 def store_stats(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/v1/plan/info", timeout=30).json()["frame_store"]
-
-
-def plan_segments() -> set[str]:
-    return {path.name for path in SHM_DIR.glob("alpamayo_*")}
 
 
 @pytest.mark.parametrize("transport", ["resized", "shm"])

@@ -141,10 +141,12 @@ class RemotePlanner:
         return self._segment is not None
 
     def close(self) -> None:
-        """Close the connections and unlink the shared-memory segment."""
+        """Close the connections, then (once a plan in flight ends) unlink the shared-memory segment."""
         self._http.close()
-        if self._segment is not None:
-            self._segment.close()
+        with self._lock:
+            if self._segment is not None:
+                self._segment.close()
+                self._segment = None
 
     def plan(self, inputs: DrivingInput, settings: SamplingSettings = SamplingSettings()) -> Plan:
         """Plan remotely; the returned Plan's timings gain remote.* stages that add up to this

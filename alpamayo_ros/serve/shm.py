@@ -136,5 +136,9 @@ class FrameSegment:
 
 
 def _release(segment: mmap.mmap, path: Path) -> None:
-    segment.close()
+    """Unlink first: the name must go even if a view of the map (a write in flight) keeps it open."""
     path.unlink(missing_ok=True)
+    try:
+        segment.close()
+    except BufferError:  # the mapping goes with the last view
+        pass
