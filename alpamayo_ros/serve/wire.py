@@ -63,7 +63,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PlanRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A DrivingInput (frames already resized for the vision tower) and its settings."""
+    """A DrivingInput (frames resized for the vision tower; a delta's new frames in shm are at
+    capture size) and its settings."""
 
     images: Array | None = None  # uint8 (cameras, frames, h, w, 3): every frame inline
     session: str | None = None  # delta requests: the client's frame-store session
