@@ -32,6 +32,7 @@ SELECTIONS = ("first", "medoid", "all")
 OUTPUT_FRAMES = ("ego", "odom")
 TRIGGERS = ("timer", "frames")
 BACKENDS = ("hf", "vllm", "remote")
+FRAME_TRANSPORTS = ("auto", "shm", "resized")
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -99,6 +100,14 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         maximum=600.0,
     ),
     ParamSpec("remote.api_key", "", "Bearer key the server was started with (--api-key); empty = none."),
+    ParamSpec(
+        "remote.frame_transport",
+        "auto",
+        "How new frames reach the server: resized (resized on this host's CPU, sent in the request), shm (at"
+        " capture size through shared memory, resized on the server's device; same host only) or auto (shm"
+        " when remote.url's host is loopback, resized if the server cannot read it).",
+        choices=FRAME_TRANSPORTS,
+    ),
     ParamSpec(
         "vllm.dtype",
         "auto",
@@ -381,6 +390,7 @@ class RemoteSettings:
     url: str
     timeout_s: float
     api_key: str = field(default="", repr=False)
+    frame_transport: str = "auto"  # auto | shm | resized
 
 
 @dataclass(frozen=True)
@@ -542,7 +552,8 @@ def _parse_remote(v: Mapping[str, Any]) -> RemoteSettings:
     url = v["remote.url"].strip()
     if not re.match(r"^https?://[^/\s]+", url):
         raise ParameterError("remote.url", f"expected http://host:port or https://host:port, got {url!r}")
-    return RemoteSettings(url=url.rstrip("/"), timeout_s=float(v["remote.timeout_s"]), api_key=v["remote.api_key"])
+    return RemoteSettings(url=url.rstrip("/"), timeout_s=float(v["remote.timeout_s"]), api_key=v["remote.api_key"],
+                          frame_transport=v["remote.frame_transport"])
 
 
 def sampling_settings(v: Mapping[str, Any]) -> SamplingSettings:

@@ -5,10 +5,12 @@ The server runs as a child process (as in deployment) with the same checkpoint, 
 and settings; it plans first, then is stopped, then this process loads the pipeline and plans the
 same input stream (one model on the device at a time). Reported per plan: wall time both ways,
 the remote overhead (remote wall - in-process wall, p50) and its direct form (client wall - the
-server's own `total`: resizing, msgpack, HTTP, queueing), and the remote/in-process ratio, each
-for the frame-delta requests (only the frames the server lacks travel) and for full-window
-requests (every frame every plan), against one server; plus bytes sent per plan and where the
-direct overhead goes (client resize and encode, server parse and queue, the rest: HTTP both ways).
+server's own `total`: resizing, msgpack, HTTP, queueing), and the remote/in-process ratio, for
+three client modes against one server: shm (frame delta, new frames at capture size through
+shared memory, resized on the server's device), delta (frame delta, new frames resized on the
+client and sent in the body) and full (every frame every plan, resized on the client); plus bytes
+and frames sent per plan and where the direct overhead goes (client resize, shm write and encode,
+server parse, queue and resize, the rest: HTTP both ways).
 
     python bench/bench_serve.py --smoke
     python bench/bench_serve.py --workload W16 --backend vllm --runs 50 --full-size-dir /tmp/ckpt
@@ -44,12 +46,14 @@ def workload_settings(workload: Workload) -> SamplingSettings:
 
 
 #: Stages of a remote plan's overhead, as RemotePlanner and the server time them.
-REMOTE_STAGES = ("remote.resize", "remote.encode", "serve.parse", "serve.queue")
+REMOTE_STAGES = ("remote.resize", "remote.shm_write", "remote.encode", "serve.parse", "serve.queue", "serve.resize")
+#: Client modes, each a RemotePlanner configuration: how a plan's frames travel.
+REMOTE_MODES = {"shm": {"frame_transport": "shm"}, "delta": {"frame_transport": "resized"}, "full": {"delta": False}}
 
 
-def timed_plans(plan, workload: Workload, runs: int, warmup: int, sent_bytes=None) -> dict[str, list[float]]:
+def timed_plans(plan, workload: Workload, runs: int, warmup: int, sent=None) -> dict[str, list[float]]:
     """Wall ms per plan (and the pipeline's own `total`) over the streamed synthetic inputs; for
-    a remote plan also its overhead stages, the rest of it (HTTP) and sent_bytes() per plan."""
+    a remote plan also its overhead stages, the rest of it (HTTP) and what sent() counts per plan."""
     settings = workload_settings(workload)
     stream = synthetic_inputs(workload, seed=0)
     times: dict[str, list[float]] = {"wall": [], "total": []}
@@ -62,20 +66,21 @@ def timed_plans(plan, workload: Workload, runs: int, warmup: int, sent_bytes=Non
             continue
         times["wall"].append(wall_ms)
         times["total"].append(result.timings_ms["total"])
-        if sent_bytes is None:
+        if sent is None:
             continue
         stages = {stage: result.timings_ms[stage] for stage in REMOTE_STAGES}
-        measured = {"overhead": wall_ms - result.timings_ms["total"], **stages, "bytes_sent": sent_bytes()}
+        measured = {"overhead": wall_ms - result.timings_ms["total"], **stages, **sent()}
         measured["http"] = measured["overhead"] - sum(stages.values())
         for key, value in measured.items():
             times.setdefault(key, []).append(value)
     return times
 
 
-def remote_plans(url: str, workload: Workload, args: argparse.Namespace, delta: bool) -> dict[str, list[float]]:
-    planner = RemotePlanner(url, timeout_s=600, delta=delta)
+def remote_plans(url: str, workload: Workload, args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
+    planner = RemotePlanner(url, timeout_s=600, **REMOTE_MODES[mode])
     try:
-        return timed_plans(planner.plan, workload, args.runs, args.warmup, lambda: planner.last_request_bytes)
+        return timed_plans(planner.plan, workload, args.runs, args.warmup,
+                           lambda: {"bytes_sent": planner.last_request_bytes, "frames_sent": planner.last_sent_frames})
     finally:
         planner.close()
 
@@ -105,7 +110,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype:
     server.start(ready_timeout_s=1800)
     logger.info("server ready in %.1f s", time.perf_counter() - started)
     try:
-        remote = {mode: remote_plans(server.url, workload, args, delta=mode == "delta") for mode in ("delta", "full")}
+        remote = {mode: remote_plans(server.url, workload, args, mode) for mode in REMOTE_MODES}
     finally:
         server.stop()
     if torch.cuda.is_available():
@@ -122,8 +127,10 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype:
     }
     for mode, times in remote.items():
         remote_p50 = np.percentile(times["wall"], 50)
-        result[f"remote_{mode}_ms"] = {key: percentiles(values) for key, values in times.items() if key != "bytes_sent"}
+        result[f"remote_{mode}_ms"] = {key: percentiles(values) for key, values in times.items()
+                                       if key not in ("bytes_sent", "frames_sent")}
         result[f"remote_{mode}_bytes_sent_p50"] = float(np.percentile(times["bytes_sent"], 50))
+        result[f"remote_{mode}_frames_sent_p50"] = float(np.percentile(times["frames_sent"], 50))
         result[f"remote_{mode}_overhead_p50_ms"] = float(remote_p50 - local_p50)
         result[f"remote_{mode}_ratio_p50"] = float(remote_p50 / local_p50)
     return result
@@ -132,12 +139,13 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype:
 def print_report(result: dict) -> None:
     lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {result.get('gpu') or result['device']})",
              "", "| path | measure | p50 ms | p90 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
-    for path in ("in_process_ms", "remote_delta_ms", "remote_full_ms"):
+    for path in ("in_process_ms", *(f"remote_{mode}_ms" for mode in REMOTE_MODES)):
         for measure, p in result[path].items():
             lines.append(f"| {path.removesuffix('_ms')} | {measure} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} |")
     lines.append("")
-    for mode in ("delta", "full"):
-        lines.append(f"{mode}: {result[f'remote_{mode}_bytes_sent_p50'] / 1e6:.2f} MB sent per plan (p50); remote wall p50 - "
+    for mode in REMOTE_MODES:
+        lines.append(f"{mode}: {result[f'remote_{mode}_frames_sent_p50']:.0f} frames, "
+                     f"{result[f'remote_{mode}_bytes_sent_p50'] / 1e6:.2f} MB in the body per plan (p50); remote wall p50 - "
                      f"in-process wall p50 = **{result[f'remote_{mode}_overhead_p50_ms']:.1f} ms**; remote / in-process = "
                      f"**{result[f'remote_{mode}_ratio_p50']:.3f}x** (runs={result['runs']})")
     print("\n".join(lines))

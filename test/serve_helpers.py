@@ -17,6 +17,7 @@ from PIL import Image
 
 from alpamayo_ros.core.types import DrivingInput
 from alpamayo_ros.serve.process import ServerProcess
+from alpamayo_ros.serve.shm import SHM_DIR
 
 #: Vision pixel bounds of the small-frames checkpoint: a 64x96 frame is 6 LLM tokens.
 SMALL_PIXELS = (4096, 8192)
@@ -36,6 +37,11 @@ def hf_server(checkpoint: Path, log_path: Path, *extra: str) -> ServerProcess:
     """alpamayo-serve on the CPU with the HF backend (quiet logs), not yet started."""
     args = ["--checkpoint", str(checkpoint), "--backend", "hf", "--device", "cpu", "--log-level", "warning", *extra]
     return ServerProcess(args, log_path)
+
+
+def plan_segments() -> set[str]:
+    """Names of the binary endpoint clients' shared-memory segments now in /dev/shm."""
+    return {path.name for path in SHM_DIR.glob("alpamayo_*")}
 
 
 def png_data_url(image: np.ndarray, image_format: str = "PNG") -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Path as PathMsg
-from serve_helpers import hf_server, small_frames_checkpoint
+from serve_helpers import hf_server, plan_segments, small_frames_checkpoint
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.testing import (
@@ -172,10 +172,13 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     tmp = tmp_path_factory.mktemp("node_remote")
+    segments_before = plan_segments()
     rig = Rig(tmp, small_frames_checkpoint(tiny_checkpoint, tmp / "ckpt"))
     yield rig
     codes = rig.close()
     assert codes == {"remote": 0, "local": 0}, f"exit codes {codes} after SIGINT\n{rig.logs()}"
+    # the remote node sent its frames through shared memory (a loopback URL); its exit unlinked them
+    assert plan_segments() - segments_before == set()
 
 
 def test_startup_does_not_wait_for_the_server(rig: Rig) -> None:

@@ -18,13 +18,15 @@ def test_bench_serve_smoke_reports_remote_overhead(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "serve-smoke.json").read_text())
     assert (report["backend"], report["device"], report["runs"]) == ("hf", "cpu", 2)
     remote_measures = ("wall", "total", "overhead", "remote.resize", "remote.encode", "serve.parse")
-    for path, measures in (("remote_delta_ms", remote_measures), ("remote_full_ms", remote_measures),
-                           ("in_process_ms", ("wall", "total"))):
+    shm_measures = (*remote_measures, "remote.shm_write", "serve.resize")  # the server resizes shm frames
+    for path, measures in (("remote_shm_ms", shm_measures), ("remote_delta_ms", remote_measures),
+                           ("remote_full_ms", remote_measures), ("in_process_ms", ("wall", "total"))):
         for measure in measures:
             assert 0 < report[path][measure]["p50"] <= report[path][measure]["p99"], (path, measure)
-    for mode in ("delta", "full"):  # the client's wall time holds the server's plan, plus what the remote path adds
+    for mode in ("shm", "delta", "full"):  # the client's wall time holds the server's plan, plus what the remote path adds
         assert report[f"remote_{mode}_ms"]["wall"]["p50"] > report[f"remote_{mode}_ms"]["total"]["p50"]
         assert report[f"remote_{mode}_ratio_p50"] > 0
-    # the second plan of the stream sends only its new frames
-    assert report["remote_delta_bytes_sent_p50"] < report["remote_full_bytes_sent_p50"]
+    # the second plan of the stream sends only its new frames; through shared memory, none in the body
+    assert report["remote_shm_frames_sent_p50"] == report["remote_delta_frames_sent_p50"] < report["remote_full_frames_sent_p50"]
+    assert report["remote_shm_bytes_sent_p50"] < report["remote_delta_bytes_sent_p50"] < report["remote_full_bytes_sent_p50"]
     assert "remote / in-process" in result.stdout

@@ -1,10 +1,14 @@
 """The binary endpoint's frame delta against a real alpamayo-serve process: a streamed window
-sends only its new frames and still plans exactly like Pipeline.plan; references the server
-cannot resolve (restart, eviction, another session) cost one full resend, never a wrong plan;
-malformed deltas are refused naming the field, storing nothing; the frame store stays bounded."""
+sends only its new frames (resized inline, or at capture size through shared memory) and still
+plans exactly like Pipeline.plan; references the server cannot resolve (restart, eviction,
+another session) cost one full resend, never a wrong plan; malformed deltas and shared-memory
+references are refused naming the field, storing nothing; the frame store stays bounded; a
+client leaves no segment in /dev/shm; a server that takes no shared memory gets resized frames."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -12,15 +16,16 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-from serve_helpers import hf_server, small_frames_checkpoint
+from serve_helpers import hf_server, plan_segments, small_frames_checkpoint
 
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.preprocess import VisionGeometry, smart_resize
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
 from alpamayo_ros.serve import wire
-from alpamayo_ros.serve.client import RemotePlanner
+from alpamayo_ros.serve.client import RemotePlanner, RemoteRejected
 from alpamayo_ros.serve.frame_store import FrameKey, FrameStore
 from alpamayo_ros.serve.process import ServerProcess
+from alpamayo_ros.serve.shm import SHM_DIR, FrameSegment
 
 SETTINGS = SamplingSettings(num_samples=1, temperature=0.8, max_reasoning_tokens=6, flow_steps=3, seed=3)
 STORE_FRAMES = 8  # one session's window (6 frames) fits, two sessions' do not
@@ -73,21 +78,32 @@ def store_stats(server: ServerProcess) -> dict:
     return httpx.get(server.url + "/v1/plan/info", timeout=30).json()["frame_store"]
 
 
+@pytest.mark.parametrize("transport", ["resized", "shm"])
 def test_delta_stream_plans_like_the_pipeline_and_sends_only_new_frames(
-    server: ServerProcess, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput]
+    transport: str, server: ServerProcess, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput]
 ) -> None:
+    """Resized: the new frames travel in the body. Shm: none does; the server resizes them."""
     windows = stream(make_driving_input, 4, seed=1)
-    delta, full = RemotePlanner(server.url, timeout_s=120), RemotePlanner(server.url, timeout_s=120, delta=False)
-    sizes = []
+    delta = RemotePlanner(server.url, timeout_s=120, frame_transport=transport)
+    full = RemotePlanner(server.url, timeout_s=120, delta=False)
+    assert delta.uses_shm == (transport == "shm") and not full.uses_shm
+    sizes, frames = [], []
     for inputs in windows:
         plan = delta.plan(inputs, SETTINGS)
         assert_same_plan(plan, pipeline.plan(inputs, SETTINGS))
         assert "serve.parse" in plan.timings_ms and "serve.queue" in plan.timings_ms
+        assert (plan.timings_ms["remote.shm_write"] > 0) == (plan.timings_ms["serve.resize"] > 0) == (transport == "shm")
         sizes.append(delta.last_request_bytes)
+        frames.append(delta.last_sent_frames)
     assert_same_plan(full.plan(windows[-1], SETTINGS), pipeline.plan(windows[-1], SETTINGS))
+    assert frames == [6, 2, 2, 2] and full.last_sent_frames == 6  # the first window whole, then the new frames
     frame_bytes = 64 * 96 * 3  # the small-frames checkpoint resizes 128x192 to 64x96
-    assert sizes[0] > 6 * frame_bytes and full.last_request_bytes > 6 * frame_bytes  # the first window: all 6 frames
-    assert all(2 * frame_bytes < size < 3 * frame_bytes for size in sizes[1:]), sizes  # then the 2 new ones
+    assert full.last_request_bytes > 6 * frame_bytes
+    if transport == "shm":
+        assert max(sizes) < frame_bytes, sizes  # no pixels in the body
+    else:
+        assert sizes[0] > 6 * frame_bytes
+        assert all(2 * frame_bytes < size < 3 * frame_bytes for size in sizes[1:]), sizes
     assert store_stats(server)["frames"] <= STORE_FRAMES
     delta.close()
     full.close()
@@ -99,7 +115,7 @@ def test_reused_stamp_with_new_pixels_is_sent_not_referred_to(
     """A paused simulator: the same stamps with other pixels. The key is exact, so the frames travel again."""
     first = make_driving_input(camera_indices=(0, 2), frames=3, height=128, width=192, seed=7)
     repainted = make_driving_input(camera_indices=(0, 2), frames=3, height=128, width=192, seed=8)
-    planner = RemotePlanner(server.url, timeout_s=120)
+    planner = RemotePlanner(server.url, timeout_s=120, frame_transport="resized")
     planner.plan(first, SETTINGS)
     assert_same_plan(planner.plan(repainted, SETTINGS), pipeline.plan(repainted, SETTINGS))
     assert planner.last_request_bytes > 6 * 64 * 96 * 3
@@ -111,7 +127,7 @@ def test_sessions_evicting_each_other_resend_and_the_store_stays_bounded(
 ) -> None:
     """Two clients' windows (12 frames) do not fit the store's 8: each finds its references
     evicted (409), sends its window again, and plans as the pipeline does."""
-    planners = [RemotePlanner(server.url, timeout_s=120) for _ in range(2)]
+    planners = [RemotePlanner(server.url, timeout_s=120, frame_transport="resized") for _ in range(2)]
     streams = [stream(make_driving_input, 3, seed=20 + index) for index in range(2)]
     for step in range(3):
         for planner, windows in zip(planners, streams):
@@ -177,6 +193,89 @@ def test_malformed_deltas_are_refused_naming_the_field_and_store_nothing(
     assert full.status_code == 200 and wire.decode_reply(full.content).xyz.shape == (1, 64, 3)
 
 
+def test_malformed_shm_references_are_refused_naming_the_field_and_store_nothing(
+    server: ServerProcess, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    inputs = make_driving_input(camera_indices=(0, 2), frames=3, height=128, width=192, seed=31)
+    geometry = VisionGeometry(**httpx.get(server.url + "/v1/plan/info", timeout=30).json()["vision"])
+    segment = FrameSegment()
+    name = segment.write(list(inputs.images.reshape(6, 128, 192, 3)))
+    every = list(range(6))
+
+    def request(**changes: object) -> bytes:
+        where = wire.ShmFrames(name=name, offset=0, dtype="uint8", shape=[6, 128, 192, 3])
+        for key, value in changes.items():
+            setattr(where, key, value)
+        size = smart_resize(128, 192, geometry)
+        return wire.encode_request(inputs, SETTINGS, session="shm-malformed", sent_slots=every, shm=(where, size))
+
+    both = wire.decode_request(request())
+    both.sent = wire.pack_array(np.zeros((6, 64, 96, 3), dtype=np.uint8))
+    cases = [
+        ("shm.name", request(name="../../etc/passwd"), "invalid_request"),
+        ("shm.name", request(name="alpamayo_" + "0" * 32), "shm_unavailable"),  # no such segment
+        ("shm.offset", request(offset=segment.size + 1), "invalid_request"),
+        ("shm.shape", request(offset=1), "invalid_request"),  # the frames would end past the segment
+        ("shm.shape", request(shape=[6, 128, 192, 4]), "invalid_request"),
+        ("shm.shape", request(shape=[6, 128, 192]), "invalid_request"),
+        ("shm.shape", request(shape=[6, 192, 128, 3]), "invalid_request"),  # does not resize to frame_size
+        ("shm.dtype", request(dtype="float32"), "invalid_request"),
+        ("sent_slots", request(shape=[5, 128, 192, 3]), "invalid_request"),
+        ("sent", msgspec.msgpack.encode(both), "invalid_request"),
+    ]
+    before = store_stats(server)["frames"]
+    for field, body, code in cases:
+        response = post(server, body)
+        error = response.json()["error"]
+        assert 400 <= response.status_code < 500 and (error["param"], error["code"]) == (field, code), (field, error)
+        assert error["message"].startswith(f"{field}:"), error
+    assert store_stats(server)["frames"] == before  # nothing of a refused request was kept
+    valid = post(server, request())  # the server keeps serving, and reads the same segment fine
+    assert valid.status_code == 200 and wire.decode_reply(valid.content).timings_ms["serve.resize"] > 0
+    segment.close()
+    assert not (SHM_DIR / name).exists()
+
+
+def test_planner_unlinks_its_segment_on_close_and_at_exit(
+    server: ServerProcess, make_driving_input: Callable[..., DrivingInput]
+) -> None:
+    before = plan_segments()
+    planner = RemotePlanner(server.url, timeout_s=120, frame_transport="shm")
+    planner.plan(stream(make_driving_input, 1, seed=50)[0], SETTINGS)
+    assert len(plan_segments() - before) == 1
+    planner.close()
+    assert plan_segments() - before == set()
+    ended = subprocess.run(  # an interpreter that exits without close()
+        [sys.executable, "-c", "import numpy as np; from alpamayo_ros.serve.shm import FrameSegment; "
+         "segment = FrameSegment(); print(segment.write([np.zeros((8, 8, 3), np.uint8)]))"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert ended.stdout.strip().startswith("alpamayo_") and not (SHM_DIR / ended.stdout.strip()).exists()
+    assert plan_segments() - before == set()
+
+
+def test_a_server_without_shm_gets_resized_frames(
+    checkpoint: Path, pipeline: Pipeline, make_driving_input: Callable[..., DrivingInput], tmp_path: Path
+) -> None:
+    """--no-shm: auto falls back to resized frames (and plans the same), shm is refused with 403."""
+    windows = stream(make_driving_input, 2, seed=60)
+    no_shm = hf_server(checkpoint, tmp_path / "server.log", "--no-shm").start()
+    try:
+        auto = RemotePlanner(no_shm.url, timeout_s=120)
+        assert auto.uses_shm
+        for inputs in windows:
+            assert_same_plan(auto.plan(inputs, SETTINGS), pipeline.plan(inputs, SETTINGS))
+        assert not auto.uses_shm and auto.last_sent_frames == 2 and auto.last_request_bytes > 2 * 64 * 96 * 3
+        auto.close()
+        forced = RemotePlanner(no_shm.url, timeout_s=120, frame_transport="shm")
+        with pytest.raises(RemoteRejected) as refused:
+            forced.plan(windows[0], SETTINGS)
+        assert (refused.value.status, refused.value.code) == (403, "shm_unavailable") and "shm:" in refused.value.message
+        forced.close()
+    finally:
+        no_shm.stop()
+
+
 def test_frame_store_bounds_count_and_bytes() -> None:
     store = FrameStore(max_frames=3, max_bytes=3 * 100)
     frame = np.zeros((10, 10, 1), dtype=np.uint8)  # 100 bytes
@@ -199,7 +298,7 @@ def test_server_restart_mid_stream_costs_one_resend_not_an_error(
 ) -> None:
     """Last in the module: it restarts the module's server (on the same port)."""
     windows = stream(make_driving_input, 4, seed=40)
-    planner = RemotePlanner(server.url, timeout_s=120)
+    planner = RemotePlanner(server.url, timeout_s=120, frame_transport="resized")
     for inputs in windows[:2]:
         planner.plan(inputs, SETTINGS)
     server.stop()

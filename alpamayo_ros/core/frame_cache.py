@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .preprocess import PreprocessedImages, VisionGeometry, preprocess_frames
+from .types import DrivingInput
 
 #: Pixel strides of the content fingerprint: ~4 KB of a 1080x1920 frame, hashed in microseconds.
 #: Prime strides, so periodic patterns (test charts, stripes) do not alias.
@@ -32,6 +33,15 @@ def frame_key(camera: int, stamp_ns: int, image: np.ndarray) -> str:
     sample = np.ascontiguousarray(image[:: _FINGERPRINT_STRIDES[0], :: _FINGERPRINT_STRIDES[1]])
     digest = hashlib.blake2b(sample.tobytes(), digest_size=8).hexdigest()
     return f"cam{camera}-{stamp_ns}-{image.shape[0]}x{image.shape[1]}-{digest}"
+
+
+def frame_keys(inputs: DrivingInput) -> list[str]:
+    """frame_key of every frame of inputs, camera-major then oldest first."""
+    return [
+        frame_key(camera, int(stamp), image)
+        for camera, stamps, row in zip(inputs.camera_indices, inputs.frame_stamps_ns, inputs.images)
+        for stamp, image in zip(stamps, row)
+    ]
 
 
 class FrameCache:
@@ -80,6 +90,12 @@ class FrameCache:
         )
         self._remember(keys, fresh)
         return result
+
+    def resize(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 frames (N, H, W, 3) resized on the compute device as preprocess() resizes them,
+        uint8 (N, 3, h, w) there, not cached: for frames whose resized form is kept elsewhere
+        (alpamayo-serve's frame store holds what shared-memory clients sent)."""
+        return preprocess_frames(self._upload(frames, list(range(len(frames)))), self.geometry).frames
 
     def _stack(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """All frames of a request in one tensor. Host-side next to a GPU, in pinned memory:

@@ -28,7 +28,7 @@ from .backbone import Backbone, PromptInputs
 from .checkpoint import load_backbone, load_expert, tensor_files
 from .config import AlpamayoConfig
 from .expert import ActionExpertModel
-from .frame_cache import FrameCache, frame_key
+from .frame_cache import FrameCache, frame_keys
 from .preprocess import PreprocessedImages
 from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
 from .tokenizer import AlpamayoTokenizer, extract_between, extract_reasoning
@@ -148,12 +148,7 @@ class Pipeline:
         seen by an earlier plan come from the frame cache)."""
         cameras, frames = inputs.images.shape[:2]
         flat = inputs.images.reshape(cameras * frames, *inputs.images.shape[2:])
-        keys = [
-            frame_key(camera, int(stamp), image)
-            for camera, stamps, row in zip(inputs.camera_indices, inputs.frame_stamps_ns, inputs.images)
-            for stamp, image in zip(stamps, row)
-        ]
-        return self.frames.preprocess(flat, keys)
+        return self.frames.preprocess(flat, frame_keys(inputs))
 
     def history_ids(self, inputs: DrivingInput) -> list[int]:
         """The 48 history token ids of the ego history."""

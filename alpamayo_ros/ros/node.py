@@ -332,8 +332,10 @@ class DriveNode(Node):
 
 def _exit_frees_planner(settings: DriveSettings) -> bool:
     """Whether ending the process frees all the planner holds, so closing it first only delays the
-    exit: true unless vLLM runs tensor-parallel workers, which are processes of their own."""
-    return settings.backend_options.get("tensor_parallel_size", 1) == 1
+    exit: true unless vLLM runs tensor-parallel workers, which are processes of their own, or the
+    planner is remote: its shared-memory segment outlives the process unless close() unlinks it
+    (the exit skips interpreter teardown, so no finalizer would), and closing it is instant."""
+    return settings.remote is None and settings.backend_options.get("tensor_parallel_size", 1) == 1
 
 
 def _goes_down(context: Any, within_s: float) -> bool:

@@ -86,7 +86,8 @@ class ServerPlanner:
     def __init__(self, remote: RemoteSettings) -> None:
         from alpamayo_ros.serve.client import RemotePlanner  # httpx and torch: not for the ROS layer
 
-        self._client = RemotePlanner(remote.url, timeout_s=remote.timeout_s, api_key=remote.api_key or None)
+        self._client = RemotePlanner(remote.url, timeout_s=remote.timeout_s, api_key=remote.api_key or None,
+                                     frame_transport=remote.frame_transport)
         self._cancelled = threading.Event()
 
     def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:

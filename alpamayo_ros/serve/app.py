@@ -17,27 +17,23 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-import re
-
-import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..core.preprocess import VisionGeometry, smart_resize
 from ..core.types import SamplingSettings
 from . import chat, sidecar, wire
-from .frame_store import FrameKey, FrameStore
+from .frame_store import FrameStore
 from .metrics import ServerMetrics
-from .requests import Limits, RequestError, checked_cameras, checked_settings, driving_input
+from .plan_request import parse_plan_request
+from .requests import Limits, RequestError
 from .worker import PipelineWorker, QueueFull
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # 16 resized frames are ~9 MB; 16 full-size PNGs ~70 MB
 RETRY_AFTER_S = 1
-_SESSION = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -46,7 +42,8 @@ class ServerOptions:
     waiting for the pipeline before 503. default_settings: sampling of sidecar requests,
     which carry none. frame_store_frames / frame_store_bytes: bounds of the frames held for
     delta requests of the binary endpoint (all sessions together; 128 frames are 8 W16 windows
-    of 16 resized full-HD frames, ~70 MB)."""
+    of 16 resized full-HD frames, ~70 MB). allow_shm: requests may name shared-memory segments
+    to read frames from (only for clients on this host; the CLI allows it for a loopback bind)."""
 
     model_name: str = "alpamayo-1.5"
     api_key: str | None = None
@@ -56,6 +53,7 @@ class ServerOptions:
     default_settings: SamplingSettings = field(default_factory=SamplingSettings)
     frame_store_frames: int = 128
     frame_store_bytes: int = 256 * 2**20
+    allow_shm: bool = False
 
 
 class Refused(Exception):
@@ -100,7 +98,8 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def invalid(request: Request, failure: RequestError) -> Response:
-        return await refused(request, Refused(failure.status, "invalid_request", f"{failure.field}: {failure.message}", failure.field))
+        return await refused(request, Refused(failure.status, failure.reason, f"{failure.field}: {failure.message}",
+                                              failure.field))
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, failure: RequestValidationError) -> Response:
@@ -198,21 +197,27 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
 
     @app.post("/v1/plan", dependencies=guarded, response_class=Response,
               summary="Binary planning (msgpack, see alpamayo_ros/serve/wire.py): frames already resized, "
-                      "all inline or as a delta; 409 frames_missing when a referenced frame is not held")
+                      "all inline or as a delta (new frames inline, or at capture size in shared memory); "
+                      "409 frames_missing when a referenced frame is not held")
     async def plan_binary(request: Request) -> Response:
         if request.headers.get("content-type", "").split(";")[0].strip() != wire.CONTENT_TYPE:
             raise Refused(415, "invalid_request", f"content-type must be {wire.CONTENT_TYPE}", "content-type")
         ensure_ready()  # a delta's frame size is checked against the pipeline's geometry
         body = await request.body()
         started = time.perf_counter()
-        inputs, settings = await run_in_threadpool(_binary_request, body, options.limits, store,
-                                                   worker.pipeline.config.vision)
+        inputs, settings, capture_size = await run_in_threadpool(
+            parse_plan_request, body, options.limits, store, worker.pipeline.config.vision, options.allow_shm)
         queued = time.perf_counter()
 
         def job(pipeline: Any) -> bytes:
-            waited = time.perf_counter() - queued
+            dequeued = time.perf_counter()
+            resize_ms = 0.0
+            if capture_size is not None:  # on the pipeline's thread and device, as in-process planning resizes
+                capture_size.resize_into(pipeline.frames, store)
+                resize_ms = (time.perf_counter() - dequeued) * 1e3
             plan = pipeline.plan(inputs, settings)
-            plan.timings_ms.update({"serve.parse": (queued - started) * 1e3, "serve.queue": waited * 1e3})
+            plan.timings_ms.update({"serve.parse": (queued - started) * 1e3, "serve.queue": (dequeued - queued) * 1e3,
+                                    "serve.resize": resize_ms})
             return wire.encode_reply(plan)
 
         return Response(await run(job), media_type=wire.CONTENT_TYPE)
@@ -225,7 +230,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         now_ns = time.time_ns()
 
         def parse() -> Any:
-            meta, arrays = sidecar.decode_predict(body)
+            meta, arrays = sidecar.decode_predict(body, options.allow_shm)
             return sidecar.predict_input(meta, arrays, options.limits, now_ns)
 
         inputs = await run_in_threadpool(parse)
@@ -238,85 +243,6 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         return Response(sidecar.encode({"status": "ok"}, {}), media_type=sidecar.CONTENT_TYPE)
 
     return app
-
-
-def _binary_request(body: bytes, limits: Limits, store: FrameStore, geometry: VisionGeometry) -> tuple:
-    """Decode and validate a binary plan request into (DrivingInput, SamplingSettings). A delta
-    request's new frames are stored only once the whole request is valid."""
-    try:
-        request = wire.decode_request(body)
-        arrays = {
-            "frame_stamps_ns": wire.unpack_array("frame_stamps_ns", request.frame_stamps_ns, np.int64, 2),
-            "ego_history_xyz": wire.unpack_array("ego_history_xyz", request.ego_history_xyz, np.float32, 2),
-            "ego_history_rot": wire.unpack_array("ego_history_rot", request.ego_history_rot, np.float32, 3),
-        }
-        images = None if request.images is None else wire.unpack_array("images", request.images, np.uint8, 5)
-        sent = None if request.sent is None else wire.unpack_array("sent", request.sent, np.uint8, 4)
-    except wire.WireError as failure:
-        raise RequestError(failure.field, str(failure).split(": ", 1)[-1]) from failure
-    settings = checked_settings(SamplingSettings(**{name: getattr(request.settings, name)
-                                                    for name in wire.Settings.__struct_fields__}), limits)
-    new: dict[FrameKey, np.ndarray] = {}
-    if request.session is None:
-        if images is None:
-            raise RequestError("images", "required (or a delta request: session, frame_size, sent, sent_slots)")
-        if request.frame_size is not None or sent is not None or request.sent_slots:
-            raise RequestError("session", "required with frame_size, sent and sent_slots (a delta request)")
-    elif images is not None:
-        raise RequestError("images", "a delta request (with a session) carries its frames in sent, not images")
-    else:
-        images, new = _delta_window(request, sent, arrays["frame_stamps_ns"], limits, store, geometry)
-    inputs = driving_input(images=images, camera_indices=tuple(request.camera_indices), t0_ns=request.t0_ns,
-                           route_text=request.route_text, limits=limits, **arrays)
-    store.put(new)
-    return inputs, settings
-
-
-def _delta_window(request: wire.PlanRequest, sent: np.ndarray | None, stamps: np.ndarray, limits: Limits,
-                  store: FrameStore, geometry: VisionGeometry) -> tuple[np.ndarray, dict[FrameKey, np.ndarray]]:
-    """The (cameras, frames, h, w, 3) window of a delta request: its sent frames in their slots,
-    every other slot from the store (409 naming what is missing), and the sent frames by key."""
-    session = request.session or ""
-    if not _SESSION.fullmatch(session):
-        raise RequestError("session", f"expected 1-64 characters of A-Z a-z 0-9 _ -, got {session[:80]!r}")
-    if request.frame_size is None or len(request.frame_size) != 2:
-        raise RequestError("frame_size", f"expected [height, width], got {request.frame_size!r}")
-    height, width = request.frame_size
-    try:
-        valid = smart_resize(height, width, geometry) == (height, width)
-    except ValueError:
-        valid = False
-    if not valid:
-        raise RequestError("frame_size", f"{height}x{width} is not a size this server resizes frames to "
-                                         "(send frames resized for the geometry of GET /v1/plan/info)")
-    if sent is None:
-        raise RequestError("sent", "required in a delta request (it may hold no frames)")
-    if sent.shape[1:] != (height, width, 3):
-        raise RequestError("sent", f"expected frames of shape ({height}, {width}, 3) (frame_size), got {sent.shape[1:]}")
-    cameras, count = stamps.shape
-    if cameras != len(request.camera_indices):
-        raise RequestError("frame_stamps_ns", f"{cameras} rows of stamps for {len(request.camera_indices)} cameras")
-    if not 0 < cameras * count <= limits.max_images:
-        raise RequestError("frame_stamps_ns", f"{cameras * count} frames (expected 1 to {limits.max_images})")
-    checked_cameras(request.camera_indices)
-    slots = request.sent_slots
-    if len(slots) != len(sent):
-        raise RequestError("sent_slots", f"{len(slots)} slots for {len(sent)} sent frames")
-    if len(set(slots)) != len(slots) or any(not 0 <= slot < cameras * count for slot in slots):
-        raise RequestError("sent_slots", f"expected distinct slots in [0, {cameras * count}), got {slots}")
-    keys = [FrameKey(session, request.camera_indices[slot // count], int(stamps[slot // count, slot % count]),
-                     height, width) for slot in range(cameras * count)]
-    window = np.empty((cameras * count, height, width, 3), dtype=np.uint8)
-    window[slots] = sent
-    referenced = sorted(set(range(cameras * count)) - set(slots))
-    found, missing = store.take(keys[slot] for slot in referenced)
-    if missing:
-        named = ", ".join(f"camera {key.camera} stamp {key.stamp_ns}" for key in missing[:8])
-        raise Refused(409, "frames_missing", f"{len(missing)} referenced frames are not held for this session "
-                      f"({named}); send them in sent", "sent_slots")
-    for slot in referenced:
-        window[slot] = found[keys[slot]]
-    return window.reshape(cameras, count, height, width, 3), {keys[slot]: window[slot] for slot in slots}
 
 
 class BodyLimit:

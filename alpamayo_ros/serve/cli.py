@@ -1,7 +1,7 @@
 """`alpamayo-serve`: load one Pipeline, warm it up, serve it over HTTP (uvicorn).
 
     alpamayo-serve --checkpoint CKPT [--backend vllm|hf] [--device cuda] [--host 127.0.0.1]
-                   [--port 8000] [--api-key KEY] [--queue-size 4] [--max-body-mb 64]
+                   [--port 8000] [--api-key KEY] [--queue-size 4] [--max-body-mb 64] [--[no-]shm]
 
 The port opens at once; /health answers 503 until the pipeline is loaded and has planned one
 warm-up request, so a supervisor can wait on it.
@@ -24,6 +24,7 @@ from ..core.pipeline import BACKENDS, Pipeline
 from ..core.types import FRAME_SPACING_S, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
 from .app import DEFAULT_MAX_BODY_BYTES, ServerOptions, create_app
 from .requests import Limits, RequestError, checked_settings
+from .shm import is_loopback
 from .worker import PipelineWorker
 
 logger = logging.getLogger("alpamayo_serve")
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--frame-store-frames", type=int, default=ServerOptions.frame_store_frames,
                         help="resized frames held for delta requests of /v1/plan (all clients)")
     parser.add_argument("--frame-store-mb", type=float, default=ServerOptions.frame_store_bytes / 2**20)
+    parser.add_argument("--shm", action=argparse.BooleanOptionalAction, default=None,
+                        help="take frames from clients' POSIX shared memory (/v1/plan, /predict); "
+                             "default: only when --host is a loopback address")
     parser.add_argument("--max-samples", type=int, default=Limits.max_samples)
     parser.add_argument("--max-reasoning-tokens", type=int, default=Limits.max_reasoning_tokens)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM backend")
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         default_settings=sidecar_settings,
         frame_store_frames=args.frame_store_frames,
         frame_store_bytes=int(args.frame_store_mb * 2**20),
+        allow_shm=is_loopback(args.host) if args.shm is None else args.shm,
     )
     app = create_app(PipelineWorker(load, args.queue_size), server_options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

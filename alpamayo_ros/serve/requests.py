@@ -17,13 +17,15 @@ from ..inputs.route import RouteRejected, check_route
 
 
 class RequestError(ValueError):
-    """A request the server refuses; field names the input at fault, status is the HTTP code."""
+    """A request the server refuses; field names the input at fault, status is the HTTP code,
+    reason the error code a client can act on (and the rejection metric's label)."""
 
-    def __init__(self, field: str, message: str, status: int = 400) -> None:
+    def __init__(self, field: str, message: str, status: int = 400, reason: str = "invalid_request") -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
         self.status = status
+        self.reason = reason
 
 
 @dataclass(frozen=True)

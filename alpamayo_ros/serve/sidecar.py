@@ -19,19 +19,16 @@ Malformed requests get a 4xx whose body is a wire message {status: "error", mess
 from __future__ import annotations
 
 import json
-import re
 import struct
-from pathlib import Path
 
 import numpy as np
 
 from ..core.types import FRAME_SPACING_S, NUM_HISTORY_POSES, DrivingInput, Plan
 from .requests import Limits, RequestError, driving_input
+from .shm import SIDECAR_SEGMENT, read_segment
 
 CONTENT_TYPE = "application/octet-stream"
-SHM_DIR = Path("/dev/shm")
 _HEADER_LENGTH = struct.Struct(">I")
-_SHM_NAME = re.compile(r"fdw_[0-9a-f]{32}")
 #: key -> (dtype, shape with None for free sides) of every array /predict accepts
 PREDICT_ARRAYS: dict[str, tuple[np.dtype, tuple[int | None, ...]]] = {
     "image_frames": (np.dtype(np.uint8), (None, None, 3, None, None)),
@@ -52,8 +49,9 @@ def encode(meta: dict, arrays: dict[str, np.ndarray]) -> bytes:
     return _HEADER_LENGTH.pack(len(header)) + header + b"".join(block.tobytes() for block in blocks)
 
 
-def decode_predict(body: bytes) -> tuple[dict, dict[str, np.ndarray]]:
-    """Parse and check a /predict body: framing, the four arrays' dtypes and shapes, shm segments."""
+def decode_predict(body: bytes, allow_shm: bool) -> tuple[dict, dict[str, np.ndarray]]:
+    """Parse and check a /predict body: framing, the four arrays' dtypes and shapes, shm segments
+    (refused unless allow_shm)."""
     if len(body) < _HEADER_LENGTH.size:
         raise RequestError("body", "shorter than the 4-byte header length")
     (length,) = _HEADER_LENGTH.unpack_from(body)
@@ -76,7 +74,9 @@ def decode_predict(body: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         dtype, shape = _checked_descriptor(key, descriptor)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if "shm" in descriptor:
-            raw = _read_shm(key, descriptor["shm"], nbytes)
+            if not allow_shm:
+                raise RequestError(key, "this server takes no shared memory (--shm)", 403, "shm_unavailable")
+            raw = read_segment(key, descriptor["shm"], SIDECAR_SEGMENT, 0, nbytes)
         else:
             raw = body[offset : offset + nbytes]
             if len(raw) != nbytes:
@@ -159,18 +159,3 @@ def _checked_descriptor(key: str, descriptor: dict) -> tuple[np.dtype, tuple[int
     if descriptor.get("nbytes") != nbytes:
         raise RequestError(key, f"nbytes {descriptor.get('nbytes')!r} != {nbytes} for shape {tuple(shape)}")
     return dtype, tuple(shape)
-
-
-def _read_shm(key: str, name: object, nbytes: int) -> bytes:
-    """Copy an array out of the client's segment; only names of the client's own pattern are opened."""
-    if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
-        raise RequestError(key, f"shm name must match {_SHM_NAME.pattern}, got {name!r}")
-    path = SHM_DIR / name
-    try:
-        with path.open("rb") as segment:
-            raw = segment.read(nbytes)
-    except FileNotFoundError as error:
-        raise RequestError(key, f"shared-memory segment {name} not found (same host and IPC namespace needed)") from error
-    if len(raw) != nbytes:
-        raise RequestError(key, f"shared-memory segment {name} holds {len(raw)} bytes, {nbytes} needed")
-    return raw

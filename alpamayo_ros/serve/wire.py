@@ -5,9 +5,12 @@ code), and every array travels as {dtype, shape, data} so the receiver checks th
 shape and the byte count before it builds a view. Decoding names the field at fault.
 
 A plan request carries its window's frames one of two ways: all of them inline (`images`), or as
-a delta within a session (`session`, `frame_size`, `sent`, `sent_slots`): only the frames the
-server does not hold yet travel, and every other slot of the (cameras, frames) window refers to
-the frame this session sent before for that camera and stamp, at that size (see frame_store).
+a delta within a session (`session`, `frame_size`, `sent_slots`, and `sent` or `shm`): only the
+frames the server does not hold yet travel, and every other slot of the (cameras, frames) window
+refers to the frame this session sent before for that camera and stamp, at that size (see
+frame_store). The new frames travel inline, resized to frame_size (`sent`), or, from a client on
+the server's host, at capture size in the client's shared memory (`shm`, see shm.py): the server
+then resizes them itself, on its device.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ class Array(msgspec.Struct, forbid_unknown_fields=True):
     data: bytes
 
 
+class ShmFrames(msgspec.Struct, forbid_unknown_fields=True):
+    """Frames in a client's shared-memory segment: C-ordered at offset bytes into segment name."""
+
+    name: str
+    offset: int
+    dtype: str  # numpy dtype name; frames are uint8
+    shape: list[int]  # (n, H, W, 3), capture size
+
+
 class Settings(msgspec.Struct, forbid_unknown_fields=True):
     """SamplingSettings on the wire; omitted fields take SamplingSettings' defaults."""
 
@@ -51,12 +63,14 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PlanRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A DrivingInput (frames already resized for the vision tower) and its settings."""
+    """A DrivingInput (frames resized for the vision tower; a delta's new frames in shm are at
+    capture size) and its settings."""
 
     images: Array | None = None  # uint8 (cameras, frames, h, w, 3): every frame inline
     session: str | None = None  # delta requests: the client's frame-store session
     frame_size: list[int] | None = None  # delta requests: (h, w) of every frame of the window
     sent: Array | None = None  # delta requests: uint8 (n, h, w, 3), the frames the server lacks
+    shm: ShmFrames | None = None  # delta requests, instead of sent: those frames at capture size
     sent_slots: list[int] = msgspec.field(default_factory=list)  # their window slots, camera-major
     camera_indices: list[int]
     frame_stamps_ns: Array  # int64 (cameras, frames)
@@ -107,12 +121,21 @@ def unpack_array(field: str, array: Array, dtype: np.dtype | type, ndim: int) ->
 
 
 def encode_request(
-    inputs: DrivingInput, settings: SamplingSettings, *, session: str | None = None, sent_slots: list[int] | None = None
+    inputs: DrivingInput,
+    settings: SamplingSettings,
+    *,
+    session: str | None = None,
+    sent_slots: list[int] | None = None,
+    shm: tuple[ShmFrames, tuple[int, int]] | None = None,
 ) -> bytes:
     """The request for inputs: every frame inline, or (with a session) a delta that carries the
-    frames of sent_slots (camera-major window slots) and refers to all others."""
+    frames of sent_slots (camera-major window slots) and refers to all others. shm: (where the
+    sent frames are, the frame size the server resizes them to); inputs' frames are then not sent."""
     if session is None:
         frames: dict = {"images": pack_array(inputs.images)}
+    elif shm is not None:
+        where, frame_size = shm
+        frames = {"session": session, "frame_size": list(frame_size), "shm": where, "sent_slots": list(sent_slots or [])}
     else:
         slots = list(sent_slots or [])
         flat = inputs.images.reshape(-1, *inputs.images.shape[2:])

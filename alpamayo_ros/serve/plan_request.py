@@ -1,0 +1,168 @@
+"""Validating a binary plan request (wire.PlanRequest) into what the pipeline plans.
+
+A request is checked whole before anything of it is kept: a delta's new frames enter the frame
+store only once every field is valid. Frames from a client's shared memory arrive at capture
+size; they are copied out here (the client may reuse its segment once answered) and resized
+later, in the pipeline's job, by the pipeline's own frame cache on its device: the same code and
+device as in-process planning, so the plan is the same, and the client's CPU does no resizing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.frame_cache import FrameCache
+from ..core.preprocess import VisionGeometry, smart_resize
+from ..core.types import DrivingInput, SamplingSettings
+from . import wire
+from .frame_store import FrameKey, FrameStore
+from .requests import Limits, RequestError, checked_cameras, checked_settings, driving_input
+from .shm import PLAN_SEGMENT, read_segment
+
+_SESSION = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class CaptureSizeFrames:
+    """A shared-memory delta's new frames, not yet resized, and where they go once they are.
+
+    frames: uint8 (n, H, W, 3), copied out of the client's segment.
+    window: uint8 (cameras * frames, h, w, 3), the request's DrivingInput.images (flat): its
+        slots hold the referenced frames, and these frames once resize_into() ran.
+    """
+
+    frames: np.ndarray
+    slots: list[int]
+    keys: list[FrameKey]
+    window: np.ndarray
+
+    def resize_into(self, cache: FrameCache, store: FrameStore) -> None:
+        """Resize on the cache's device (as the pipeline resizes), fill the window, store them."""
+        resized = cache.resize(self.frames).permute(0, 2, 3, 1).cpu().numpy()  # (n, h, w, 3)
+        self.window[self.slots] = resized
+        store.put(dict(zip(self.keys, resized)))
+
+
+def parse_plan_request(
+    body: bytes, limits: Limits, store: FrameStore, geometry: VisionGeometry, allow_shm: bool
+) -> tuple[DrivingInput, SamplingSettings, CaptureSizeFrames | None]:
+    """Decode and validate a binary plan request. Inline delta frames are stored here; frames
+    from shared memory come back to be resized on the pipeline's device (None when there are none)."""
+    try:
+        request = wire.decode_request(body)
+        arrays = {
+            "frame_stamps_ns": wire.unpack_array("frame_stamps_ns", request.frame_stamps_ns, np.int64, 2),
+            "ego_history_xyz": wire.unpack_array("ego_history_xyz", request.ego_history_xyz, np.float32, 2),
+            "ego_history_rot": wire.unpack_array("ego_history_rot", request.ego_history_rot, np.float32, 3),
+        }
+        images = None if request.images is None else wire.unpack_array("images", request.images, np.uint8, 5)
+        sent = None if request.sent is None else wire.unpack_array("sent", request.sent, np.uint8, 4)
+    except wire.WireError as failure:
+        raise RequestError(failure.field, str(failure).split(": ", 1)[-1]) from failure
+    settings = checked_settings(SamplingSettings(**{name: getattr(request.settings, name)
+                                                    for name in wire.Settings.__struct_fields__}), limits)
+    new: dict[FrameKey, np.ndarray] = {}
+    pending = None
+    if request.session is None:
+        if images is None:
+            raise RequestError("images", "required (or a delta request: session, frame_size, sent or shm, sent_slots)")
+        if request.frame_size is not None or sent is not None or request.shm is not None or request.sent_slots:
+            raise RequestError("session", "required with frame_size, sent, shm and sent_slots (a delta request)")
+    elif images is not None:
+        raise RequestError("images", "a delta request (with a session) carries its frames in sent or shm, not images")
+    else:
+        images, new, pending = _delta_window(request, sent, arrays["frame_stamps_ns"], limits, store, geometry, allow_shm)
+    inputs = driving_input(images=images, camera_indices=tuple(request.camera_indices), t0_ns=request.t0_ns,
+                           route_text=request.route_text, limits=limits, **arrays)
+    store.put(new)
+    return inputs, settings, pending
+
+
+def _delta_window(
+    request: wire.PlanRequest, sent: np.ndarray | None, stamps: np.ndarray, limits: Limits, store: FrameStore,
+    geometry: VisionGeometry, allow_shm: bool,
+) -> tuple[np.ndarray, dict[FrameKey, np.ndarray], CaptureSizeFrames | None]:
+    """The (cameras, frames, h, w, 3) window of a delta request: every referenced slot from the
+    store (409 naming what is missing), the sent frames in theirs, and those frames by key; or,
+    for frames in shared memory, their slots still empty and the frames to resize into them."""
+    session = request.session or ""
+    if not _SESSION.fullmatch(session):
+        raise RequestError("session", f"expected 1-64 characters of A-Z a-z 0-9 _ -, got {session[:80]!r}")
+    if request.frame_size is None or len(request.frame_size) != 2:
+        raise RequestError("frame_size", f"expected [height, width], got {request.frame_size!r}")
+    height, width = request.frame_size
+    try:
+        valid = smart_resize(height, width, geometry) == (height, width)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise RequestError("frame_size", f"{height}x{width} is not a size this server resizes frames to "
+                                         "(send frames resized for the geometry of GET /v1/plan/info)")
+    if (sent is None) == (request.shm is None):
+        raise RequestError("sent", "a delta request carries its new frames in sent or in shm, exactly one of "
+                                   "them (sent may hold no frames)")
+    if sent is not None and sent.shape[1:] != (height, width, 3):
+        raise RequestError("sent", f"expected frames of shape ({height}, {width}, 3) (frame_size), got {sent.shape[1:]}")
+    shape = sent.shape if sent is not None else _checked_shm(request.shm, (height, width), geometry, limits, allow_shm)
+    cameras, count = stamps.shape
+    if cameras != len(request.camera_indices):
+        raise RequestError("frame_stamps_ns", f"{cameras} rows of stamps for {len(request.camera_indices)} cameras")
+    if not 0 < cameras * count <= limits.max_images:
+        raise RequestError("frame_stamps_ns", f"{cameras * count} frames (expected 1 to {limits.max_images})")
+    checked_cameras(request.camera_indices)
+    slots = request.sent_slots
+    if len(slots) != shape[0]:
+        raise RequestError("sent_slots", f"{len(slots)} slots for {shape[0]} sent frames")
+    if len(set(slots)) != len(slots) or any(not 0 <= slot < cameras * count for slot in slots):
+        raise RequestError("sent_slots", f"expected distinct slots in [0, {cameras * count}), got {slots}")
+    if sent is None:  # copied out before the store is asked: a bad reference is a 4xx, not a 409
+        nbytes = int(np.prod(shape, dtype=np.int64))
+        captured = read_segment("shm", request.shm.name, PLAN_SEGMENT, request.shm.offset, nbytes).reshape(shape)
+    keys = [FrameKey(session, request.camera_indices[slot // count], int(stamps[slot // count, slot % count]),
+                     height, width) for slot in range(cameras * count)]
+    window = np.empty((cameras * count, height, width, 3), dtype=np.uint8)
+    referenced = sorted(set(range(cameras * count)) - set(slots))
+    found, missing = store.take(keys[slot] for slot in referenced)
+    if missing:
+        named = ", ".join(f"camera {key.camera} stamp {key.stamp_ns}" for key in missing[:8])
+        raise RequestError("sent_slots", f"{len(missing)} referenced frames are not held for this session ({named}); "
+                           "send them in sent", 409, "frames_missing")
+    for slot in referenced:
+        window[slot] = found[keys[slot]]
+    framed = window.reshape(cameras, count, height, width, 3)
+    if sent is not None:
+        window[slots] = sent
+        return framed, {keys[slot]: window[slot] for slot in slots}, None
+    pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window) if slots else None
+    return framed, {}, pending
+
+
+def _checked_shm(shm: wire.ShmFrames, frame_size: tuple[int, int], geometry: VisionGeometry, limits: Limits,
+                 allow_shm: bool) -> tuple[int, int, int, int]:
+    """The (n, H, W, 3) shape of a delta's frames in shared memory, once the reference is one
+    this server takes: shm allowed, uint8, frames that resize to frame_size."""
+    if not allow_shm:
+        raise RequestError("shm", "this server takes no shared-memory frames (it does for a loopback bind or "
+                                  "with --shm); send them in sent", 403, "shm_unavailable")
+    try:
+        dtype = np.dtype(shm.dtype)
+    except TypeError as error:
+        raise RequestError("shm.dtype", f"unknown dtype {shm.dtype!r}") from error
+    if dtype != np.uint8:
+        raise RequestError("shm.dtype", f"expected uint8, got {dtype.name}")
+    shape = tuple(shm.shape)
+    if len(shape) != 4 or shape[3] != 3 or any(side < 0 for side in shape):
+        raise RequestError("shm.shape", f"expected (frames, height, width, 3), got {list(shape)}")
+    if shape[1] * shape[2] > limits.max_image_pixels:
+        raise RequestError("shm.shape", f"{shape[2]}x{shape[1]} pixels per frame (limit {limits.max_image_pixels})")
+    try:
+        resized = smart_resize(shape[1], shape[2], geometry)
+    except ValueError as error:
+        raise RequestError("shm.shape", str(error)) from error
+    if resized != tuple(frame_size):
+        raise RequestError("shm.shape", f"{shape[1]}x{shape[2]} frames resize to {resized[0]}x{resized[1]}, "
+                                        f"not frame_size {frame_size[0]}x{frame_size[1]}")
+    return shape
