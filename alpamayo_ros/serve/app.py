@@ -206,7 +206,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         body = await request.body()
         started = time.perf_counter()
         inputs, settings, capture_size = await run_in_threadpool(
-            parse_plan_request, body, options.limits, store, worker.pipeline.config.vision, options.allow_shm)
+            parse_plan_request, body, options.limits, store, worker.pipeline.frames, options.allow_shm)
         queued = time.perf_counter()
 
         def job(pipeline: Any) -> bytes:

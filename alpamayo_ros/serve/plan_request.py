@@ -47,10 +47,11 @@ class CaptureSizeFrames:
 
 
 def parse_plan_request(
-    body: bytes, limits: Limits, store: FrameStore, geometry: VisionGeometry, allow_shm: bool
+    body: bytes, limits: Limits, store: FrameStore, frames: FrameCache, allow_shm: bool
 ) -> tuple[DrivingInput, SamplingSettings, CaptureSizeFrames | None]:
-    """Decode and validate a binary plan request. Inline delta frames are stored here; frames
-    from shared memory come back to be resized on the pipeline's device (None when there are none)."""
+    """Decode and validate a binary plan request for the pipeline whose frame cache is frames.
+    Inline delta frames are stored here; frames from shared memory come back to be resized on the
+    pipeline's device (None when there are none)."""
     try:
         request = wire.decode_request(body)
         arrays = {
@@ -74,7 +75,7 @@ def parse_plan_request(
     elif images is not None:
         raise RequestError("images", "a delta request (with a session) carries its frames in sent or shm, not images")
     else:
-        images, new, pending = _delta_window(request, sent, arrays["frame_stamps_ns"], limits, store, geometry, allow_shm)
+        images, new, pending = _delta_window(request, sent, arrays["frame_stamps_ns"], limits, store, frames, allow_shm)
     inputs = driving_input(images=images, camera_indices=tuple(request.camera_indices), t0_ns=request.t0_ns,
                            route_text=request.route_text, limits=limits, **arrays)
     store.put(new)
@@ -83,11 +84,13 @@ def parse_plan_request(
 
 def _delta_window(
     request: wire.PlanRequest, sent: np.ndarray | None, stamps: np.ndarray, limits: Limits, store: FrameStore,
-    geometry: VisionGeometry, allow_shm: bool,
+    frames: FrameCache, allow_shm: bool,
 ) -> tuple[np.ndarray, dict[FrameKey, np.ndarray], CaptureSizeFrames | None]:
     """The (cameras, frames, h, w, 3) window of a delta request: every referenced slot from the
     store (409 naming what is missing), the sent frames in theirs, and those frames by key; or,
-    for frames in shared memory, their slots still empty and the frames to resize into them."""
+    for frames in shared memory, their slots still empty and the frames to resize into them.
+    Both the shared-memory frames and the window land in the frame cache's host buffers."""
+    geometry = frames.geometry
     session = request.session or ""
     if not _SESSION.fullmatch(session):
         raise RequestError("session", f"expected 1-64 characters of A-Z a-z 0-9 _ -, got {session[:80]!r}")
@@ -120,10 +123,11 @@ def _delta_window(
         raise RequestError("sent_slots", f"expected distinct slots in [0, {cameras * count}), got {slots}")
     if sent is None:  # copied out before the store is asked: a bad reference is a 4xx, not a 409
         nbytes = int(np.prod(shape, dtype=np.int64))
-        captured = read_segment("shm", request.shm.name, PLAN_SEGMENT, request.shm.offset, nbytes).reshape(shape)
+        captured = read_segment("shm", request.shm.name, PLAN_SEGMENT, request.shm.offset, nbytes,
+                                out=frames.host_buffer((nbytes,))).reshape(shape)
     keys = [FrameKey(session, request.camera_indices[slot // count], int(stamps[slot // count, slot % count]),
                      height, width) for slot in range(cameras * count)]
-    window = np.empty((cameras * count, height, width, 3), dtype=np.uint8)
+    window = frames.host_buffer((cameras * count, height, width, 3))
     referenced = sorted(set(range(cameras * count)) - set(slots))
     found, missing = store.take(keys[slot] for slot in referenced)
     if missing:

@@ -43,8 +43,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_segment(field: str, name: object, pattern: re.Pattern, offset: int, nbytes: int) -> np.ndarray:
-    """A copy of nbytes at offset of segment name, as uint8 (nbytes,). Refusals name field.name,
+def read_segment(
+    field: str, name: object, pattern: re.Pattern, offset: int, nbytes: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """A copy of nbytes at offset of segment name, as uint8 (nbytes,), into out when given (a
+    contiguous uint8 array of nbytes, e.g. pinned memory the upload is fast from). Refusals name field.name,
     field.offset or field.shape (the byte count's source); a segment that does not exist here
     (another host or IPC namespace) is reason shm_unavailable, so a client can fall back."""
     if not isinstance(name, str) or not pattern.fullmatch(name):
@@ -66,7 +69,7 @@ def read_segment(field: str, name: object, pattern: re.Pattern, offset: int, nby
         if offset + nbytes > size:
             raise RequestError(f"{field}.shape", f"needs {nbytes} bytes from offset {offset}, past the end of "
                                f"segment {name} ({size} bytes)")
-        out = np.empty(nbytes, dtype=np.uint8)
+        out = np.empty(nbytes, dtype=np.uint8) if out is None else out.reshape(nbytes)
         view, done = memoryview(out), 0
         while done < nbytes:
             read = os.preadv(fd, [view[done:]], offset + done)
