@@ -9,7 +9,8 @@ Three processes, all on wall-clock time (no sim time; one host, so one clock):
   * this process, which listens to the node's Path and StageTimings (`~/output/timings`).
 
 Per plan, t0 is the stamp of the newest camera messages the node planned from (the Path's stamp):
-  e2e_ms                 Path received here - wall time at which the last t0 camera message was published
+  e2e_ms                 Path received here - wall time at which publish() was called for the last t0
+                         camera message ("published" below: the call, so a receipt can never precede it)
   latency_ms             StageTimings: node clock at publication (before the Path itself) - t0
   input_age_ms           StageTimings: node clock when inference started - t0
   total_ms               the pipeline's own `total` stage
@@ -17,10 +18,10 @@ Per plan, t0 is the stamp of the newest camera messages the node planned from (t
                          pipeline (output gates, conversion, publishing the companion outputs)
   publish_lag_ms         t0 stamp -> last t0 camera message published (the publisher's own cost)
   inbound_ms             input_age_ms - publish_lag_ms: t0 published -> inference started, split into
-  receive_ms             inbound_ms - input_wait_ms: published -> the node has the frame converted
-                         (DDS transport, rclpy deserialisation, callback queueing, decode/copy)
-  input_wait_ms          StageTimings `node.input_wait`: newest frame ready -> inference started
-                         (waiting for the planning tick, input assembly: `node.assemble`)
+  receive_ms             inbound_ms - input_wait_ms: published -> the node's image callback starts
+                         (the publish call itself, DDS transport, rclpy deserialisation, callback queueing)
+  input_wait_ms          StageTimings `node.input_wait`: newest frame's callback -> inference started
+                         (decode/copy, waiting for the planning tick, input assembly: `node.assemble`)
   transport_queueing_ms  e2e_ms - latency_ms + publish_lag_ms: the node publishing StageTimings and the
                          Path, DDS transport, and this process's executor
 so e2e_ms = inbound_ms + total_ms + node_overhead_ms + transport_queueing_ms.
@@ -102,8 +103,8 @@ MEASURES = (
     ("total_ms", "pipeline `total` stage"),
     ("node_overhead_ms", "**node overhead**: latency - input_age - total"),
     ("inbound_ms", "inbound: published -> inference started (transport, decode, tick wait)"),
-    ("receive_ms", "· receive: published -> frame converted in the node"),
-    ("input_wait_ms", "· input wait: newest frame ready -> inference started"),
+    ("receive_ms", "· receive: published -> image callback in the node"),
+    ("input_wait_ms", "· input wait: newest frame's callback -> inference started"),
     ("transport_queueing_ms", "transport+queueing: Path published -> received"),
     ("publish_lag_ms", "publisher: t0 stamp -> last t0 message published"),
 )
@@ -151,15 +152,18 @@ def image_message(rgb: np.ndarray, transport: str, frame_id: str) -> Image | Com
 
 
 class _TimedPublisher:
-    """Wraps a publisher to report (stamp, wall ns before publish(), wall ns after) per message."""
+    """Wraps a publisher to report (stamp, wall ns just before publish()) per message.
 
-    def __init__(self, publisher: Any, on_published: Callable[[int, int, int], None]) -> None:
+    Why before, not after: the subscriber may run (and take the message) while publish() is still
+    returning here, so a time read after the call can be later than the receipt it caused.
+    """
+
+    def __init__(self, publisher: Any, on_published: Callable[[int, int], None]) -> None:
         self._publisher, self._on_published = publisher, on_published
 
     def publish(self, msg: Any) -> None:
-        started = time.time_ns()
+        self._on_published(stamp_to_ns(msg.header.stamp), time.time_ns())
         self._publisher.publish(msg)
-        self._on_published(stamp_to_ns(msg.header.stamp), started, time.time_ns())
 
 
 class FramePublisher(SensorRig):
@@ -180,7 +184,7 @@ class FramePublisher(SensorRig):
             camera.stamp_offset_ns = -camera.index * self.CAMERA_STAGGER_NS
         super().__init__(side, cameras, odometry_topic=odometry_topic)
         self._messages, self._log = messages, log
-        self._pending: dict[int, list[int]] = {}  # stamp -> [first publish start, last publish end, messages]
+        self._pending: dict[int, list[int]] = {}  # stamp -> [first publish call, last publish call, messages]
         self._camera_pubs = {index: _TimedPublisher(pub, self._published) for index, pub in self._camera_pubs.items()}
 
     @property
@@ -193,9 +197,9 @@ class FramePublisher(SensorRig):
         msg.header.stamp = ns_to_stamp(stamp_ns)
         return msg
 
-    def _published(self, stamp_ns: int, started_ns: int, ended_ns: int) -> None:
-        tick = self._pending.setdefault(stamp_ns, [started_ns, ended_ns, 0])
-        tick[1], tick[2] = ended_ns, tick[2] + 1
+    def _published(self, stamp_ns: int, called_ns: int) -> None:
+        tick = self._pending.setdefault(stamp_ns, [called_ns, called_ns, 0])
+        tick[1], tick[2] = called_ns, tick[2] + 1
         if tick[2] == len(self.cameras):
             del self._pending[stamp_ns]
             self._log.write(json.dumps({"stamp_ns": stamp_ns, "first_ns": tick[0], "last_ns": tick[1]}) + "\n")

@@ -59,7 +59,7 @@ class PlanRequest:
     frame_id: str  # the odometry frame the input's ego pose is in (output.frame odom)
     route_text: str
     assemble_ms: float  # building the DrivingInput (frame selection, ego history, image stacking)
-    last_arrival_ns: int  # node clock when the newest frame used had been converted
+    last_arrival_ns: int  # node clock when the newest frame used reached its callback
 
 
 @dataclass(frozen=True)

@@ -264,8 +264,8 @@ class DriveNode(Node):
         timings_ms = {
             **plan.timings_ms,
             "node.assemble": job.request.assemble_ms,
-            # how long the newest frame needed had been converted and buffered before inference
-            # started (tick wait and assembly): input_age - input_wait is capture -> frame ready
+            # newest frame's callback -> inference started (its decode, the tick wait, assembly):
+            # input_age - input_wait is capture -> the frame reached the node
             "node.input_wait": (started_ns - job.request.last_arrival_ns) / NS_PER_MS,
         }
         published_ns = self._now_ns()
