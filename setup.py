@@ -25,7 +25,7 @@ setup(
     license="Apache-2.0",
     entry_points={
         "console_scripts": [
-            "alpamayo_drive = alpamayo_ros.ros.node:main",
+            "alpamayo_drive = alpamayo_ros.ros.process:main",
             "alpamayo-eval = alpamayo_ros.eval.evaluate:main",
             "alpamayo-replay = alpamayo_ros.eval.replay:main",
             "alpamayo-record = alpamayo_ros.eval.record:main",

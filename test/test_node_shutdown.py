@@ -1,6 +1,7 @@
 """alpamayo_drive ends cleanly on SIGINT in every state (issue 12 acceptance 1).
 
-Real node processes on the tiny checkpoint: SIGINT while the model loads, while it warms up,
+Real node processes on the tiny checkpoint: SIGINT while the model stack is imported (the node
+exists, the worker does not yet), while the model loads, while it warms up,
 when ready, and in the middle of a long plan (4096 reasoning tokens) must each end the process
 with code 0 within 3 s, with no traceback, no "terminate called", no shared-memory segment left
 behind (Fast DDS's, or any the node created) and no child process left running. The HF backend
@@ -157,7 +158,7 @@ def _assert_clean(node: NodeProcess, code: int, elapsed_s: float, segments: set[
     assert elapsed_s < EXIT_DEADLINE_S, f"took {elapsed_s:.1f} s to exit\n{text[-3000:]}"
     assert "Traceback" not in text and "terminate called" not in text, text[-3000:]
     assert any(name.startswith(FASTDDS_SHM_PREFIXES) for name in segments), "no Fast DDS segment: nothing checked"
-    assert wait_until(lambda: not _orphaned(segments), timeout_s=5), _orphaned(segments)
+    assert wait_until(lambda: not _orphaned(segments), timeout_s=5), f"{_orphaned(segments)}\n{text[-2000:]}"
     assert wait_until(lambda: not _alive(children), timeout_s=5), f"left running: {_alive(children)}"
 
 
@@ -165,13 +166,14 @@ def _assert_clean(node: NodeProcess, code: int, elapsed_s: float, segments: set[
     ("backend", "marker", "tokens"),
     # 4096 reasoning tokens: the warm-up plan is long, so the SIGINT finds it running
     [
+        ("hf", "importing the hf model stack", 8),
         ("hf", "loading: loading model", 8),
         ("hf", "warming_up:", 4096),
         ("hf", "ready: ", 8),
         ("vllm", "warming_up:", 4096),
         ("vllm", "ready: ", 8),
     ],
-    ids=["hf-loading", "hf-warming_up", "hf-ready", "vllm-warming_up", "vllm-ready"],
+    ids=["hf-importing", "hf-loading", "hf-warming_up", "hf-ready", "vllm-warming_up", "vllm-ready"],
 )
 def test_sigint_in_each_state_exits_0_within_3_s(
     tmp_path: Path, tiny_checkpoint: Path, backend: str, marker: str, tokens: int

@@ -14,26 +14,19 @@ Shutdown (SIGINT/SIGTERM): the worker is cancelled (a plan in flight stops at it
 or flow step) and, when ready, joined briefly, since only its jobs publish and ROS goes down
 next. A model load or warm-up step, which cannot be interrupted, is left behind, and so is a
 model the exit frees anyway (closing an in-process vLLM engine takes seconds); the process then
-exits without running its interpreter teardown.
+exits without running its interpreter teardown (process.py: the console script around the node).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 import threading
-import time
 from functools import partial
 from typing import Any, Callable
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Odometry
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.exceptions import ParameterException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from sensor_msgs.msg import CompressedImage, Image
@@ -49,7 +42,6 @@ from alpamayo_ros.ros.params import (
     as_declared,
     declare_parameters,
     given_parameter_names,
-    help_text,
     unknown_parameter_warnings,
 )
 from alpamayo_ros.ros.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
@@ -68,7 +60,6 @@ NODE_NAME = "alpamayo_drive"
 LOG_THROTTLE_S = 5.0
 NS_PER_MS = 1_000_000
 STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step (a prefill can take longer)
-SIGNAL_SHUTDOWN_WAIT_S = 1.0  # rclpy's signal thread shuts the context down within this
 EXIT_LOAD_FAILED = 1
 
 
@@ -114,10 +105,17 @@ class DriveNode(Node):
         self.create_timer(settings.diagnostics_period_s, partial(self._guarded, self._publish_diagnostics))
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.add_post_set_parameters_callback(self._after_set_parameters)
+        self._worker: InferenceWorker | None = None  # start() makes it
 
-        # The model's libraries are imported here, in the main thread: an import holds Python's
-        # interpreter lock for seconds, and inside the worker's load it would keep this thread
-        # from handling a shutdown meanwhile (loading weights mostly releases the lock).
+    def start(self) -> None:
+        """Import the model stack and start the inference worker (it loads and warms up the model).
+
+        Apart from construction so that a SIGINT during the import, which takes seconds, finds a
+        node that main() can still destroy. The import runs here, in the main thread: it holds
+        Python's interpreter lock for seconds, and inside the worker's load it would keep this
+        thread from handling a shutdown meanwhile (loading weights mostly releases the lock).
+        """
+        settings = self.settings
         self.get_logger().info(f"importing the {settings.backend} model stack")
         import_model_stack(settings)
         self._worker = InferenceWorker(
@@ -321,6 +319,9 @@ class DriveNode(Node):
 
     def close(self) -> None:
         """Stop the worker before ROS goes down (see the module docstring); the process ends next."""
+        if self._worker is None:
+            self.get_logger().info("shutting down (before the model stack was imported)")
+            return
         state = self._worker.state
         self.get_logger().info(f"shutting down ({state.value})")
         release = not _exit_frees_planner(self.settings)
@@ -336,82 +337,3 @@ def _exit_frees_planner(settings: DriveSettings) -> bool:
     planner is remote: its shared-memory segment outlives the process unless close() unlinks it
     (the exit skips interpreter teardown, so no finalizer would), and closing it is instant."""
     return settings.remote is None and settings.backend_options.get("tensor_parallel_size", 1) == 1
-
-
-def _goes_down(context: Any, within_s: float) -> bool:
-    """Whether the ROS context is shut down now or within within_s."""
-    deadline = time.monotonic() + within_s
-    while context.ok():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _ros_args(args: list[str]) -> list[str]:
-    """The arguments after --ros-args (up to a closing --)."""
-    if "--ros-args" not in args:
-        return []
-    tail = args[args.index("--ros-args") + 1 :]
-    return tail[: tail.index("--")] if "--" in tail else tail
-
-
-def main(args: list[str] | None = None) -> int:
-    """Console script: run the node until SIGINT/SIGTERM or a failed model load.
-
-    Exit codes: 0 after a signal, 1 after a failed model load (unless model.stay_up_on_failure),
-    2 for a bad parameter (named in the log).
-    """
-    argv = sys.argv if args is None else args
-    if "--help" in argv or "-h" in argv:
-        print(help_text(NODE_NAME))  # noqa: T201 - the console script's help text
-        return 0
-    logging.basicConfig(level=logging.INFO, format="[%(levelname)s] [%(name)s]: %(message)s")
-    try:
-        ros = rclpy.init(args=argv)
-    except RuntimeError as exc:  # rclpy's UnknownROSArgsError: a mistyped ROS argument
-        rclpy.logging.get_logger(NODE_NAME).fatal(f"bad arguments, not starting: {exc} (see {NODE_NAME} --help)")
-        return 2
-    code, node = 0, None
-    try:
-        with ros:
-            # Single-threaded on purpose: callbacks are short (inference has its own thread), and
-            # rclpy's MultiThreadedExecutor busy-waits while a callback group is occupied, holding
-            # the GIL, which made plans many times slower (0.4 s -> 6 s with the tiny model on CPU).
-            executor = SingleThreadedExecutor(context=ros.context)
-            try:
-                node = DriveNode(ros_args=_ros_args(argv))
-                executor.add_node(node)
-                while ros.context.ok() and node.exit_code is None:
-                    executor.spin_once(timeout_sec=0.25)
-            except (ParameterError, ParameterException) as exc:
-                rclpy.logging.get_logger(NODE_NAME).fatal(f"bad parameter, not starting: {exc}")
-                code = 2
-            except (KeyboardInterrupt, ExternalShutdownException):
-                pass
-            except RuntimeError:
-                # A signal shut ROS down while it was in use: rclpy's take_message fails ("Unable
-                # to convert call argument"), or so does building the node. Not an error then.
-                # rclpy shuts the context down from its own signal thread, which can lag the
-                # failure it causes here by a moment: wait for it before calling this an error.
-                if not _goes_down(ros.context, SIGNAL_SHUTDOWN_WAIT_S):
-                    raise
-            finally:
-                if node is not None:
-                    node.close()
-                    code = node.exit_code or code
-                executor.shutdown(timeout_sec=1.0)
-                if node is not None:
-                    node.destroy_node()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        ros.context.destroy()  # the DDS participant and its shared-memory segments go now
-    # ROS is shut down and nothing is left to clean up. The interpreter's own teardown would
-    # free torch and OpenMP state for seconds on a loaded machine (the launch SIGTERM deadline),
-    # and abort ("terminate called") under a worker still inside a model load that cannot be
-    # interrupted. Flush the logs and end the process here.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
