@@ -8,13 +8,11 @@ raise, the order of teardown, and an exit that skips the interpreter's own teard
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import rclpy
@@ -43,9 +41,9 @@ class _Sigint:
     inside `raising_during`.
 
     rclpy's own SIGINT handler shuts the context down (the spin loop then ends) and chains to
-    Python's, which by default raises KeyboardInterrupt wherever the main thread is. Raised inside
-    rclpy's executor it can leave an entity marked in use: destroy_node() then defers, and the
-    process exits with its DDS participant alive and its /dev/shm segments left behind. So once
+    Python's, which by default raises KeyboardInterrupt wherever the main thread happens to be:
+    in rclpy's executor, or halfway through the teardown in main(), where it skips what is left
+    of it (destroy_node() among them, so the DDS participant would not go before the exit). Once
     rclpy is up, SIGINT raises only around the model stack's import, which nothing else cuts short.
     """
 
@@ -66,33 +64,6 @@ class _Sigint:
             yield
         finally:
             self.raises = False
-
-
-def _dds_segments_mapped() -> set[str]:
-    """The Fast DDS shared-memory segments this process maps: while any is, its participant lives."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:  # no procfs: nothing to check
-        return set()
-    return {line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps.splitlines() if "/dev/shm/fastdds_" in line}
-
-
-def _check_participant_gone() -> None:
-    """The DDS participant goes with the node, taking its /dev/shm segments along; the process
-    then ends without its interpreter teardown, so one still alive here would leave them behind.
-
-    It can outlive destroy_node() when something still holds one of the node's entities in use
-    (rclpy then defers the destruction to that holder's release): a reference cycle, for one,
-    which a collection breaks. If it lives on anyway, say which segments stay behind.
-    """
-    if not _dds_segments_mapped():
-        return
-    gc.collect()
-    left = _dds_segments_mapped()
-    if left:
-        rclpy.logging.get_logger(NODE_NAME).warning(
-            f"the DDS participant outlived the node; these /dev/shm segments stay behind: {sorted(left)}"
-        )
 
 
 def _ros_args(args: list[str]) -> list[str]:
@@ -157,8 +128,7 @@ def main(args: list[str] | None = None) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        ros.context.destroy()
-        _check_participant_gone()
+        ros.context.destroy()  # the DDS participant and its shared-memory segments went with the node
     # ROS is shut down and nothing is left to clean up. The interpreter's own teardown would
     # free torch and OpenMP state for seconds on a loaded machine (the launch SIGTERM deadline),
     # and abort ("terminate called") under a worker still inside a model load that cannot be
