@@ -20,6 +20,7 @@ from alpamayo_ros.ros.testing import (
     RosSide,
     SensorRig,
     diag_values,
+    log_excerpt,
     ros_env,
     start_console_script,
     stop_process,
@@ -93,7 +94,7 @@ class Harness:
         return self.process.poll() is None
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        return log_excerpt(self.log)
 
     def counter(self, key: str) -> int:
         messages = self.diagnostics.messages

@@ -93,7 +93,7 @@ def test_the_node_drops_the_bad_plans_of_a_broken_model(tiny_checkpoint: Path, t
     from nav_msgs.msg import Path as PathMsg
 
     from alpamayo_ros.ros.testing import (
-        CameraFeed, RosSide, SensorRig, diag_values, ros_env, start_console_script, stop_process, unique_domain_id,
+        CameraFeed, RosSide, SensorRig, diag_values, log_excerpt, ros_env, start_console_script, stop_process, unique_domain_id,
         wait_until, write_params_file,
     )  # fmt: skip
 
@@ -121,7 +121,7 @@ def test_the_node_drops_the_bad_plans_of_a_broken_model(tiny_checkpoint: Path, t
         return max((int(diag_values(m).get("rejected.plan_out_of_bounds", 0)) for m in diagnostics.messages), default=0)
 
     try:
-        assert wait_until(lambda: refused() >= 3, timeout_s=300), log.read_text()[-3000:]
+        assert wait_until(lambda: refused() >= 3, timeout_s=300), (rig.matched(), log_excerpt(log))
     finally:
         rig.stop()
         code = stop_process(process, timeout_s=40)

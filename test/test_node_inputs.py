@@ -3,8 +3,9 @@
 Each fault gets its own diagnostic reason naming the input at fault, no Path from the faulty
 input, and planning recovers when good input returns: a route holding model tokens or 1 MB
 long (refused at arrival, planning goes on without it), sensors stamped ahead of the node
-clock (all of them, or one camera), an odometry frame change, and a plan that never comes out
-(diagnostics must leave OK).
+clock (all of them, or one camera), an odometry frame change, a camera whose publisher is gone
+(diagnostics name each input's matched publishers), and a plan that never comes out (diagnostics
+must leave OK).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from alpamayo_ros.ros.testing import (
     RosSide,
     SensorRig,
     diag_values,
+    log_excerpt,
     ros_env,
     start_console_script,
     stop_process,
@@ -65,7 +67,7 @@ class Harness:
         )  # fmt: skip
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        return log_excerpt(self.log)
 
     def reports(self, since: float) -> list[dict[str, str]]:
         return [dict(diag_values(m), ok=m.status[0].level == DiagnosticStatus.OK, message=m.status[0].message)
@@ -167,6 +169,29 @@ def test_odometry_frame_change_clears_history_and_paths_carry_their_input_frame(
         else:
             assert path.header.frame_id == "map" and t0_ns >= changed_ns + 1_400_000_000, (t0_ns - changed_ns) / 1e9
     harness.rig.odometry_frame_id = "odom"
+
+
+def test_a_silent_camera_is_reported_with_its_matched_publishers(harness: Harness) -> None:
+    """No frames because nobody publishes vs because a publisher is silent: diagnostics and the log
+    line of the rejection say how many publishers each input subscription is matched with."""
+    harness.wait_for_plans(time.monotonic(), count=1)
+    assert "camera 6 (/in/tele) 1" in harness.reports(0.0)[-1]["matched_publishers"]
+    harness.rig.unplug(6)
+    unplugged = time.monotonic()
+    try:
+        gone = lambda r: "camera_stale: camera 6" in r["last_rejection"] and "camera 6 (/in/tele) 0" in r["matched_publishers"]  # noqa: E731
+        assert wait_until(lambda: any(gone(r) for r in harness.reports(unplugged)), TIMEOUT_S), harness.log_text()
+        report = next(r for r in harness.reports(unplugged) if gone(r))
+        assert "camera 1 (/in/front) 1" in report["matched_publishers"]
+        assert "odometry (/in/odom) 1" in report["matched_publishers"]
+        # the log line of the rejection (throttled to one per 5 s) names the publishers too
+        lines = lambda: [x for x in harness.log.read_text(errors="replace").splitlines()  # noqa: E731
+                         if "no plan: camera_stale: camera 6" in x and "matched publishers: " in x]
+        assert wait_until(lines, TIMEOUT_S), harness.log_text()
+        assert "camera 6 (/in/tele) 0" in lines()[-1], lines()[-1]
+    finally:
+        harness.rig.plug(6)
+    harness.wait_for_plans(time.monotonic(), count=2)
 
 
 def test_diagnostics_leave_ok_when_no_plan_comes_out(harness: Harness) -> None:

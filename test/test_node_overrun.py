@@ -16,6 +16,7 @@ from alpamayo_ros.ros.testing import (
     RosSide,
     SensorRig,
     diag_values,
+    log_excerpt,
     ros_env,
     start_console_script,
     stop_process,
@@ -76,7 +77,7 @@ class SimHarness:
         return diag_values(self.diagnostics.messages[-1])
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        return log_excerpt(self.log)
 
     def close(self) -> int:
         self.rig.stop()

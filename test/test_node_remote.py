@@ -30,6 +30,7 @@ from alpamayo_ros.ros.testing import (
     RosSide,
     SensorRig,
     diag_values,
+    log_excerpt,
     ros_env,
     start_console_script,
     stop_process,
@@ -88,7 +89,7 @@ class Node:
         return self.process.poll() is None
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        return log_excerpt(self.log)
 
     def planned(self) -> dict[int, np.ndarray]:
         """t0 -> (64, 3) Path positions."""

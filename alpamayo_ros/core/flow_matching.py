@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 

@@ -43,9 +43,11 @@ def planner_status(
     warmup_ms: float,
     outcomes: Outcomes,
     scheduler: PlanScheduler,
+    publishers: str,
 ) -> DiagnosticStatus:
     """The node's one status; the caller holds the lock that guards outcomes and scheduler.
 
+    publishers: each input subscription's matched publisher count ("camera 1 (/topic) 1, ...").
     Never OK while no plan comes out: a failed worker is ERROR, a stall (no plan for
     diagnostics.max_plan_silence_s once ready) outranks the last rejection, and a refused route is
     WARN while planning goes on without it.
@@ -98,6 +100,7 @@ def planner_status(
         "last_rejection": outcomes.last_rejection,
         "last_error": outcomes.last_error or worker_error,
         "route_rejection": "" if scheduler.route_problem is None else str(scheduler.route_problem),
+        "matched_publishers": publishers,
     }
     for camera, newest in scheduler.frame_sync.newest_stamps().items():
         values[f"camera_age_ms.{camera}"] = math.nan if newest is None else (now_ns - newest) / NS_PER_MS

@@ -29,6 +29,7 @@ from nav_msgs.msg import Odometry
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+from rclpy.subscription import Subscription
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header, String
 
@@ -61,6 +62,8 @@ LOG_THROTTLE_S = 5.0
 NS_PER_MS = 1_000_000
 STOP_WAIT_S = 1.0  # a plan stops within one decode/flow step (a prefill can take longer)
 EXIT_LOAD_FAILED = 1
+# reasons that may mean nothing reaches a subscription: their log line names the matched publishers
+SILENT_INPUT_REASONS = ("no_frames", "camera_stale", "no_odometry", "odometry_stale")
 
 
 class DriveNode(Node):
@@ -87,12 +90,14 @@ class DriveNode(Node):
         }  # fmt: skip
         for name, chosen in profiles.items():
             self.get_logger().info(f"QoS {qos.describe(name, chosen)}")
+        self._inputs: dict[str, Subscription] = {}  # "camera 1 (/topic)" | "odometry (/topic)" -> subscription
         for camera in settings.cameras:
             message_type = Image if camera.transport == "raw" else CompressedImage
             callback = partial(self._guarded, self._on_image, camera)
-            self.create_subscription(message_type, camera.topic, callback, profiles["cameras"])
+            name = f"camera {camera.index} ({camera.topic})"
+            self._inputs[name] = self.create_subscription(message_type, camera.topic, callback, profiles["cameras"])
             self.get_logger().info(f"camera {camera.index} <- {camera.topic} ({camera.transport})")
-        self.create_subscription(
+        self._inputs[f"odometry ({settings.odometry_topic})"] = self.create_subscription(
             Odometry, settings.odometry_topic, partial(self._guarded, self._on_odometry), profiles["odometry"]
         )
         self.create_subscription(
@@ -202,8 +207,14 @@ class DriveNode(Node):
         outcomes = self._outcomes
         changed = outcomes.outcome != "rejected" or not outcomes.last_rejection.startswith(f"{problem.reason}:")
         outcomes.outcome, outcomes.last_rejection = "rejected", str(problem)
-        self.get_logger().warning(f"no plan: {problem}", throttle_duration_sec=LOG_THROTTLE_S)
+        hint = f" (matched publishers: {self._publisher_counts()})" if problem.reason in SILENT_INPUT_REASONS else ""
+        self.get_logger().warning(f"no plan: {problem}{hint}", throttle_duration_sec=LOG_THROTTLE_S)
         return changed
+
+    def _publisher_counts(self) -> str:
+        """How many publishers each input subscription is matched with: 0 means a wrong topic name,
+        or a publisher whose QoS or Fast DDS transports (FASTDDS_BUILTIN_TRANSPORTS) do not match."""
+        return ", ".join(f"{name} {sub.get_publisher_count()}" for name, sub in self._inputs.items())
 
     def _on_set_parameters(self, parameters: list[Parameter]) -> SetParametersResult:
         """Validate runtime changes (only sampling.* and gates.* are writable)."""
@@ -309,7 +320,7 @@ class DriveNode(Node):
             return planner_status(
                 f"{self.get_fully_qualified_name()}: planner", self.settings, now_ns, state=state,
                 worker_error=error, load_ms=worker.load_ms, warmup_ms=worker.warmup_ms,
-                outcomes=self._outcomes, scheduler=self._scheduler,
+                outcomes=self._outcomes, scheduler=self._scheduler, publishers=self._publisher_counts(),
             )  # fmt: skip
 
     # ---- lifecycle ----

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import cv2
 import numpy as np
@@ -97,6 +97,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def log_excerpt(path: Path, tail_chars: int = 4000) -> str:
+    """A child's log for a failure message: its middleware errors (Fast DDS prints them once, near
+    the start, where a tail would cut them off) and then its tail."""
+    text = path.read_text(errors="replace")
+    errors = [line for line in text.splitlines() if " Error]" in line or "RTPS_" in line][:20]
+    return "\n".join([*errors, "..."]) + "\n" + text[-tail_chars:] if errors else text[-tail_chars:]
 
 
 class Collector:
@@ -235,12 +243,11 @@ class SensorRig:
         self._sim_jump_ns = 0
         self._mono_start_ns = time.monotonic_ns()
         self._start_ns = self.now_ns()
-        sensor_qos = QoSProfile(depth=5, reliability=ReliabilityPolicy.BEST_EFFORT)
-        node = side.node
+        self._sensor_qos = QoSProfile(depth=5, reliability=ReliabilityPolicy.BEST_EFFORT)
+        self._node = node = side.node
         self._image_types = {"raw": Image, "compressed": CompressedImage}
-        self._camera_pubs = {
-            c.index: node.create_publisher(self._image_types[c.transport], c.topic, sensor_qos) for c in cameras
-        }
+        self._camera_lock = threading.Lock()  # the thread publishes while unplug() destroys a publisher
+        self._camera_pubs = {c.index: self._camera_publisher(c) for c in cameras}
         self._odometry_pub = node.create_publisher(
             Odometry, odometry_topic, QoSProfile(depth=20, reliability=ReliabilityPolicy.BEST_EFFORT)
         )
@@ -316,6 +323,28 @@ class SensorRig:
         msg.twist.twist.linear.x = self.speed_mps
         return msg
 
+    # -- publishers --
+
+    def _camera_publisher(self, camera: CameraFeed):
+        return self._node.create_publisher(self._image_types[camera.transport], camera.topic, self._sensor_qos)
+
+    def unplug(self, index: int) -> None:
+        """Destroy a camera's publisher: the node's subscription is left with no publisher."""
+        with self._camera_lock:
+            self._node.destroy_publisher(self._camera_pubs.pop(index))
+
+    def plug(self, index: int) -> None:
+        """Create an unplugged camera's publisher again."""
+        camera = next(c for c in self.cameras if c.index == index)
+        with self._camera_lock:
+            self._camera_pubs[index] = self._camera_publisher(camera)
+
+    def matched(self) -> dict[str, int]:
+        """Subscriptions matched per published topic: what a test reports when the node hears nothing."""
+        with self._camera_lock:
+            pubs = [*self._camera_pubs.values(), self._odometry_pub]
+        return {pub.topic_name: pub.get_subscription_count() for pub in pubs}
+
     # -- thread --
 
     def start(self) -> "SensorRig":
@@ -343,10 +372,12 @@ class SensorRig:
                 next_odometry += self.ODOMETRY_PERIOD_NS
             if mono >= next_camera:
                 for camera in self.cameras:
-                    if camera.stopped:
-                        continue
-                    stamp = now + self.stamp_offset_ns + camera.stamp_offset_ns + camera.index * 2_000_000
-                    self._camera_pubs[camera.index].publish(self._image_message(camera, stamp))
+                    with self._camera_lock:
+                        pub = self._camera_pubs.get(camera.index)
+                        if camera.stopped or pub is None:
+                            continue
+                        stamp = now + self.stamp_offset_ns + camera.stamp_offset_ns + camera.index * 2_000_000
+                        pub.publish(self._image_message(camera, stamp))
                     camera.stamps_ns.append(stamp)
                 next_camera += self.CAMERA_PERIOD_NS
             if self._route_pub is not None and mono >= next_route:
