@@ -9,5 +9,6 @@ export FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA   # large best-effort images are dr
 export AMENT_PREFIX_PATH="$ROOT/.venv"          # get_package_share_directory() without sourcing
 export PYTHONUNBUFFERED=1
 # Two workers, a test file each at a time (see test/conftest.py); `-n 0` runs in this process.
+# The 15 slowest tests are listed at the end, to keep the suite well under 30 min.
 # pytest exits 5 when nothing was collected: that is a failure here too.
-exec "$ROOT/.venv/bin/python" -m pytest test -p no:cacheprovider -rfEs --timeout=900 -n 2 --dist loadfile --no-loadscope-reorder "$@"
+exec "$ROOT/.venv/bin/python" -m pytest test -p no:cacheprovider -rfEs --timeout=900 --durations=15 -n 2 --dist loadfile --no-loadscope-reorder "$@"
