@@ -94,7 +94,7 @@ class Harness:
         return self.process.poll() is None
 
     def log_text(self) -> str:
-        return log_excerpt(self.log)
+        return log_excerpt(self.log, self.rig)
 
     def counter(self, key: str) -> int:
         messages = self.diagnostics.messages

@@ -121,7 +121,7 @@ def test_the_node_drops_the_bad_plans_of_a_broken_model(tiny_checkpoint: Path, t
         return max((int(diag_values(m).get("rejected.plan_out_of_bounds", 0)) for m in diagnostics.messages), default=0)
 
     try:
-        assert wait_until(lambda: refused() >= 3, timeout_s=300), (rig.matched(), log_excerpt(log))
+        assert wait_until(lambda: refused() >= 3, timeout_s=300), log_excerpt(log, rig)
     finally:
         rig.stop()
         code = stop_process(process, timeout_s=40)

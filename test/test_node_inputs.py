@@ -67,7 +67,7 @@ class Harness:
         )  # fmt: skip
 
     def log_text(self) -> str:
-        return log_excerpt(self.log)
+        return log_excerpt(self.log, self.rig)
 
     def reports(self, since: float) -> list[dict[str, str]]:
         return [dict(diag_values(m), ok=m.status[0].level == DiagnosticStatus.OK, message=m.status[0].message)

@@ -77,7 +77,7 @@ class SimHarness:
         return diag_values(self.diagnostics.messages[-1])
 
     def log_text(self) -> str:
-        return log_excerpt(self.log)
+        return log_excerpt(self.log, self.rig)
 
     def close(self) -> int:
         self.rig.stop()

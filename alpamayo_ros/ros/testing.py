@@ -99,12 +99,16 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
-def log_excerpt(path: Path, tail_chars: int = 4000) -> str:
+def log_excerpt(path: Path, rig: "SensorRig | None" = None, tail_chars: int = 4000) -> str:
     """A child's log for a failure message: its middleware errors (Fast DDS prints them once, near
-    the start, where a tail would cut them off) and then its tail."""
+    the start, where a tail would cut them off), its tail, and what the rig sent to it."""
     text = path.read_text(errors="replace")
     errors = [line for line in text.splitlines() if " Error]" in line or "RTPS_" in line][:20]
-    return "\n".join([*errors, "..."]) + "\n" + text[-tail_chars:] if errors else text[-tail_chars:]
+    parts = [*errors, "..."] if errors else []
+    parts.append(text[-tail_chars:])
+    if rig is not None:
+        parts.append(f"rig: {rig.status()}")
+    return "\n".join(parts)
 
 
 class Collector:
@@ -246,8 +250,9 @@ class SensorRig:
         self._sensor_qos = QoSProfile(depth=5, reliability=ReliabilityPolicy.BEST_EFFORT)
         self._node = node = side.node
         self._image_types = {"raw": Image, "compressed": CompressedImage}
-        self._camera_lock = threading.Lock()  # the thread publishes while unplug() destroys a publisher
+        self._camera_lock = threading.Lock()  # camera publishers (unplug() destroys one) and the _sent counts
         self._camera_pubs = {c.index: self._camera_publisher(c) for c in cameras}
+        self._sent: dict[str, tuple[int, float]] = {}  # topic -> (messages published, monotonic time of the last)
         self._odometry_pub = node.create_publisher(
             Odometry, odometry_topic, QoSProfile(depth=20, reliability=ReliabilityPolicy.BEST_EFFORT)
         )
@@ -339,11 +344,23 @@ class SensorRig:
         with self._camera_lock:
             self._camera_pubs[index] = self._camera_publisher(camera)
 
-    def matched(self) -> dict[str, int]:
-        """Subscriptions matched per published topic: what a test reports when the node hears nothing."""
+    def status(self) -> dict[str, str]:
+        """Per published topic: subscriptions matched, messages sent and the age of the last one;
+        what a test reports when the node hears nothing (a blocked publish shows as a growing age)."""
+        now = time.monotonic()
         with self._camera_lock:
             pubs = [*self._camera_pubs.values(), self._odometry_pub]
-        return {pub.topic_name: pub.get_subscription_count() for pub in pubs}
+            sent = dict(self._sent)
+        return {
+            pub.topic_name: f"{pub.get_subscription_count()} matched, {sent.get(pub.topic_name, (0, now))[0]} sent, "
+            f"last {now - sent.get(pub.topic_name, (0, now))[1]:.1f} s ago"
+            for pub in pubs
+        }
+
+    def _count_sent(self, topic: str) -> None:
+        with self._camera_lock:
+            count, _ = self._sent.get(topic, (0, 0.0))
+            self._sent[topic] = (count + 1, time.monotonic())
 
     # -- thread --
 
@@ -369,6 +386,7 @@ class SensorRig:
                 if not self.odometry_stopped:
                     stamp = now + self.stamp_offset_ns + self.odometry_offset_ns
                     self._odometry_pub.publish(self._odometry_message(stamp))
+                    self._count_sent(self._odometry_pub.topic_name)
                 next_odometry += self.ODOMETRY_PERIOD_NS
             if mono >= next_camera:
                 for camera in self.cameras:
@@ -378,7 +396,9 @@ class SensorRig:
                             continue
                         stamp = now + self.stamp_offset_ns + camera.stamp_offset_ns + camera.index * 2_000_000
                         pub.publish(self._image_message(camera, stamp))
+                        topic = pub.topic_name  # pub may be destroyed once the lock is released
                     camera.stamps_ns.append(stamp)
+                    self._count_sent(topic)
                 next_camera += self.CAMERA_PERIOD_NS
             if self._route_pub is not None and mono >= next_route:
                 self._route_pub.publish(self._string_type(data=self.route_text))
