@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 from typing import Callable
@@ -78,3 +79,30 @@ LONG_FILES_FIRST = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise kept
+
+
+SHM = Path("/dev/shm")
+_SHM_AT_START = "alpamayo_ros_shm_at_start"
+
+
+def _fastdds_files() -> set[str]:
+    return {p.name for p in SHM.glob("*fastdds_*")} if SHM.is_dir() else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    setattr(session.config, _SHM_AT_START, _fastdds_files())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Where the run's shared memory stands, for reading a failed run: Fast DDS keeps its transport
+    there, and a segment left by a killed process can hinder a later participant."""
+    if hasattr(config, "workerinput") or not SHM.is_dir():
+        return
+    before, after = getattr(config, _SHM_AT_START, set()), _fastdds_files()
+    usage = shutil.disk_usage(SHM)
+    left = sorted(after - before)
+    terminalreporter.write_line(
+        f"/dev/shm: {usage.free / 2**20:.0f} of {usage.total / 2**20:.0f} MiB free; Fast DDS files: {len(before)} "
+        f"at the start, {len(after)} now, left by this run: {', '.join(left[:12]) or 'none'}"
+        + (f" and {len(left) - 12} more" if len(left) > 12 else "")
+    )
