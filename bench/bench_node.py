@@ -165,6 +165,9 @@ class _TimedPublisher:
         self._on_published(stamp_to_ns(msg.header.stamp), time.time_ns())
         self._publisher.publish(msg)
 
+    def get_subscription_count(self) -> int:
+        return self._publisher.get_subscription_count()
+
 
 class FramePublisher(SensorRig):
     """The suite's SensorRig (wall-clock stamps, 10 Hz cameras, 50 Hz odometry) sending pre-built frames.

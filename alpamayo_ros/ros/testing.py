@@ -250,9 +250,10 @@ class SensorRig:
         self._sensor_qos = QoSProfile(depth=5, reliability=ReliabilityPolicy.BEST_EFFORT)
         self._node = node = side.node
         self._image_types = {"raw": Image, "compressed": CompressedImage}
-        self._camera_lock = threading.Lock()  # camera publishers (unplug() destroys one) and the _sent counts
+        self._camera_lock = threading.Lock()  # guards camera publishers (unplug() destroys one) and _sent
         self._camera_pubs = {c.index: self._camera_publisher(c) for c in cameras}
         self._sent: dict[str, tuple[int, float]] = {}  # topic -> (messages published, monotonic time of the last)
+        self._odometry_topic = odometry_topic
         self._odometry_pub = node.create_publisher(
             Odometry, odometry_topic, QoSProfile(depth=20, reliability=ReliabilityPolicy.BEST_EFFORT)
         )
@@ -349,18 +350,19 @@ class SensorRig:
         what a test reports when the node hears nothing (a blocked publish shows as a growing age)."""
         now = time.monotonic()
         with self._camera_lock:
-            pubs = [*self._camera_pubs.values(), self._odometry_pub]
+            pubs = {c.topic: self._camera_pubs[c.index] for c in self.cameras if c.index in self._camera_pubs}
+            pubs[self._odometry_topic] = self._odometry_pub
             sent = dict(self._sent)
-        return {
-            pub.topic_name: f"{pub.get_subscription_count()} matched, {sent.get(pub.topic_name, (0, now))[0]} sent, "
-            f"last {now - sent.get(pub.topic_name, (0, now))[1]:.1f} s ago"
-            for pub in pubs
-        }
+        report = {}
+        for topic, pub in pubs.items():
+            count, last = sent.get(topic, (0, math.nan))
+            report[topic] = f"{pub.get_subscription_count()} matched, {count} sent, last {now - last:.1f} s ago"
+        return report
 
     def _count_sent(self, topic: str) -> None:
-        with self._camera_lock:
-            count, _ = self._sent.get(topic, (0, 0.0))
-            self._sent[topic] = (count + 1, time.monotonic())
+        """Note a message sent (caller holds _camera_lock)."""
+        count, _ = self._sent.get(topic, (0, 0.0))
+        self._sent[topic] = (count + 1, time.monotonic())
 
     # -- thread --
 
@@ -386,7 +388,8 @@ class SensorRig:
                 if not self.odometry_stopped:
                     stamp = now + self.stamp_offset_ns + self.odometry_offset_ns
                     self._odometry_pub.publish(self._odometry_message(stamp))
-                    self._count_sent(self._odometry_pub.topic_name)
+                    with self._camera_lock:
+                        self._count_sent(self._odometry_topic)
                 next_odometry += self.ODOMETRY_PERIOD_NS
             if mono >= next_camera:
                 for camera in self.cameras:
@@ -396,9 +399,8 @@ class SensorRig:
                             continue
                         stamp = now + self.stamp_offset_ns + camera.stamp_offset_ns + camera.index * 2_000_000
                         pub.publish(self._image_message(camera, stamp))
-                        topic = pub.topic_name  # pub may be destroyed once the lock is released
+                        self._count_sent(camera.topic)
                     camera.stamps_ns.append(stamp)
-                    self._count_sent(topic)
                 next_camera += self.CAMERA_PERIOD_NS
             if self._route_pub is not None and mono >= next_route:
                 self._route_pub.publish(self._string_type(data=self.route_text))
