@@ -176,17 +176,23 @@ def test_a_silent_camera_is_reported_with_its_matched_publishers(harness: Harnes
     line of the rejection say how many publishers each input subscription is matched with."""
     harness.wait_for_plans(time.monotonic(), count=1)
     assert "camera 6 (/in/tele) 1" in harness.reports(0.0)[-1]["matched_publishers"]
+
+    def gone(report: dict[str, str]) -> bool:
+        stale = "camera_stale: camera 6" in report["last_rejection"]
+        return stale and "camera 6 (/in/tele) 0" in report["matched_publishers"]
+
+    def lines() -> list[str]:
+        """The log lines of the rejection (throttled to one per 5 s): they name the publishers too."""
+        return [x for x in harness.log.read_text(errors="replace").splitlines()
+                if "no plan: camera_stale: camera 6" in x and "matched publishers: " in x]  # fmt: skip
+
     harness.rig.unplug(6)
     unplugged = time.monotonic()
     try:
-        gone = lambda r: "camera_stale: camera 6" in r["last_rejection"] and "camera 6 (/in/tele) 0" in r["matched_publishers"]  # noqa: E731
         assert wait_until(lambda: any(gone(r) for r in harness.reports(unplugged)), TIMEOUT_S), harness.log_text()
         report = next(r for r in harness.reports(unplugged) if gone(r))
         assert "camera 1 (/in/front) 1" in report["matched_publishers"]
         assert "odometry (/in/odom) 1" in report["matched_publishers"]
-        # the log line of the rejection (throttled to one per 5 s) names the publishers too
-        lines = lambda: [x for x in harness.log.read_text(errors="replace").splitlines()  # noqa: E731
-                         if "no plan: camera_stale: camera 6" in x and "matched publishers: " in x]
         assert wait_until(lines, TIMEOUT_S), harness.log_text()
         assert "camera 6 (/in/tele) 0" in lines()[-1], lines()[-1]
     finally:
