@@ -236,3 +236,49 @@ def test_chat_completions_report_usage(server: ServerProcess, checkpoint: Path, 
     assert answered["usage"]["completion_tokens"] == len(reply.token_ids)
     assert answered["usage"]["total_tokens"] == answered["usage"]["prompt_tokens"] + len(reply.token_ids)
     assert answered["usage"]["prompt_tokens"] > 0
+
+
+def test_body_timeout_in_process_answers_408_to_a_stalled_receive() -> None:
+    """The middleware on its own, around a real Starlette app that reads its body: the second
+    body chunk never comes, so the app's wait is cut and the client gets 408."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from alpamayo_ros.serve.app import BodyTimeout
+    from alpamayo_ros.serve.metrics import ServerMetrics
+
+    async def echo(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(str(len(await request.body())))
+
+    metrics = ServerMetrics(lambda: 0)
+    app = BodyTimeout(Starlette(routes=[Route("/", echo, methods=["POST"])]), timeout_s=0.2, metrics=metrics)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"100")],
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("x", 1), "client": ("y", 2),
+             "root_path": ""}
+
+    async def run() -> list[dict]:
+        chunks = [{"type": "http.request", "body": b"x" * 10, "more_body": True}]
+        never = asyncio.Event()
+
+        async def receive() -> dict:
+            if chunks:
+                return chunks.pop()
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["code"] == "body_timeout"
+    assert b"alpamayo_rejections_total{reason=\"body_timeout\"} 1.0" in metrics.render()
