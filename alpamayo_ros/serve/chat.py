@@ -26,7 +26,7 @@ from ..core.pipeline import Pipeline, TextReply
 from ..core.preprocess import smart_resize
 from ..core.prompt import render_driving_prompt, render_vqa_prompt
 from ..core.types import CAMERAS, NUM_HISTORY_POSES, WAYPOINT_DT_S, DrivingInput, Plan, SamplingSettings
-from .nim_schema import NvExt
+from .nim_schema import NvExt, Usage
 from .requests import Limits, RequestError, checked_settings, driving_input
 
 IMAGE_FORMATS = frozenset({"JPEG", "PNG"})
@@ -113,12 +113,6 @@ class Choice(BaseModel):
     index: int
     message: ResponseMessage
     finish_reason: Literal["stop", "length"]
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int = Field(description="tokens generated over all choices")
-    total_tokens: int
 
 
 class ChatCompletion(BaseModel):

@@ -9,6 +9,7 @@ NIM requests carry no capture times: frames are 0.1 s apart, each camera's newes
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -25,7 +26,7 @@ from ..core.types import (
 from . import chat
 from .nim_schema import (
     CAMERA_NAMES, DEFAULT_CAMERA_ORDER, DEFAULT_FRAMES, NIM_API_VERSION, NIM_MODEL_ID, Comfort, InferRequest,
-    InferResponse, InferUsage, TrajectoryResult,
+    InferResponse, NvExt, SamplingFields, TrajectoryResult,
 )
 from .requests import Limits, RequestError, checked_settings, driving_input
 
@@ -152,7 +153,7 @@ def nim_input(images: list[np.ndarray], camera_order: list[str] | None, frames: 
     return inputs, names, frames
 
 
-def settings_of(request: Any, samples: int, limits: Limits, *, seed: int | None, top_k: int | None) -> SamplingSettings:
+def settings_of(request: SamplingFields, samples: int, limits: Limits, *, seed: int | None, top_k: int | None) -> SamplingSettings:
     """SamplingSettings of a NIM request's rollout controls (top_k 1 = greedy)."""
     if top_k not in (None, 1):
         raise invalid("top_k", f"only 1 (greedy) or null is supported, got {top_k}")
@@ -202,7 +203,7 @@ NVEXT_FIELDS = {"images": "messages", **{name: f"nvext.{name}" for name in
 async def chat_nim(body: chat.ChatCompletionRequest, trajectory: bool, *,
                    run: Callable[[Callable[[Any], Any]], Awaitable[Any]], limits: Limits) -> chat.ChatCompletion:
     """A chat request in the NIM's envelope: images in order, Alpamayo fields under nvext."""
-    nvext = body.nvext or chat.NvExt()
+    nvext = body.nvext or NvExt()
 
     def parse() -> tuple:
         try:
@@ -212,7 +213,7 @@ async def chat_nim(body: chat.ChatCompletionRequest, trajectory: bool, *,
             raise as_422(error) from error
         seed = nvext.seed if nvext.seed is not None else body.seed
         samples = (nvext.num_traj_samples or 1) if trajectory else body.n
-        controls = InferRequest.model_construct(temperature=body.temperature, top_p=body.top_p, max_tokens=length)
+        controls = SamplingFields.model_construct(temperature=body.temperature, top_p=body.top_p, max_tokens=length)
         settings = settings_of(controls, samples, limits, seed=seed, top_k=nvext.top_k or body.top_k)
         images = decoded([part.image_url.url for part in chat.image_parts(body)], "messages", limits)
         if not images:
@@ -234,7 +235,6 @@ async def chat_nim(body: chat.ChatCompletionRequest, trajectory: bool, *,
         replies = pipeline.generate_text(inputs, question, settings, max_new_tokens=length)
         return chat.text_completion(replies, length, NIM_MODEL_ID, chat.prompt_tokens(pipeline, inputs, question))
     return await run(text_job)
-
 
 
 def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[Any]], ready: Callable[[], bool],
@@ -272,13 +272,13 @@ def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[An
                 prompt, generated, timings = chat.prompt_tokens(pipeline, inputs), plan.generated_ids, plan.timings_ms
             if answering:
                 question = body.question.strip()
-                reply = pipeline.generate_text(inputs, question, settings, max_new_tokens=body.max_tokens)[0]
+                one = dataclasses.replace(settings, num_samples=1)  # one answer, whatever K the plan had
+                reply = pipeline.generate_text(inputs, question, one, max_new_tokens=body.max_tokens)[0]
                 result["answer"] = chat.vqa_content(reply)
                 prompt += chat.prompt_tokens(pipeline, inputs, question)
                 generated = [*generated, reply.token_ids]
-            spent = chat.usage(prompt, generated)
             return InferResponse(id=f"infer-{uuid.uuid4().hex}", model=NIM_MODEL_ID, mode=body.mode, camera_order=names,
-                                 num_frames_per_camera=frames, dt_s=WAYPOINT_DT_S, usage=InferUsage(**spent.model_dump()),
+                                 num_frames_per_camera=frames, dt_s=WAYPOINT_DT_S, usage=chat.usage(prompt, generated),
                                  timings_ms=timings, **result)
 
         return await run(job)
@@ -287,9 +287,10 @@ def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[An
               summary="NIM VQA: an OpenAI-style message with images and a question (text part or nvext.question)")
     async def vqa(body: chat.ChatCompletionRequest) -> chat.ChatCompletion:
         served_model(body.model, model_name)
-        if body.output_modality == "trajectory" or (body.nvext is not None and body.nvext.egomotion is not None):
-            raise invalid("nvext.egomotion", "/v1/vqa answers questions; trajectories come from /v1/infer "
-                          "or /v1/chat/completions")
+        for field, asked in (("output_modality", body.output_modality == "trajectory"),
+                             ("nvext.egomotion", body.nvext is not None and body.nvext.egomotion is not None)):
+            if asked:
+                raise invalid(field, "/v1/vqa answers questions; trajectories come from /v1/infer or /v1/chat/completions")
         return await chat_nim(body, trajectory=False, run=run, limits=limits)
 
     @app.get("/v1/health/live", summary="NIM liveness: 200 while the process serves")

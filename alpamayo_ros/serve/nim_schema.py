@@ -101,9 +101,11 @@ class TrajectoryResult(BaseModel):
     comfort: Comfort
 
 
-class InferUsage(BaseModel):
+class Usage(BaseModel):
+    """OpenAI's token counts, in chat completions and /v1/infer alike."""
+
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int = Field(description="tokens generated over all choices (or samples and the answer)")
     total_tokens: int
 
 
@@ -116,6 +118,6 @@ class InferResponse(BaseModel):
     dt_s: float
     trajectories: list[TrajectoryResult] | None = None
     answer: str | None = None
-    usage: InferUsage
+    usage: Usage
     warnings: list[str] = Field(default_factory=list)
     timings_ms: dict[str, float] = Field(default_factory=dict)
