@@ -132,6 +132,22 @@ def test_frame_key_sees_every_changed_pixel() -> None:
     assert frame_key(1, 10, image[:, ::-1]) != key  # a non-contiguous view hashes its own pixels
 
 
+def test_frame_keys_on_threads_equal_the_serial_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large requests are fingerprinted on a thread pool where the machine has cores for it
+    (not this 2-core one by default): the keys are the same, in the same order."""
+    from alpamayo_ros.core import frame_cache
+
+    images = np.random.default_rng(6).integers(0, 256, (2, 3, 720, 1280, 3), dtype=np.uint8)
+    window = DrivingInput(images=images, camera_indices=(0, 6), frame_stamps_ns=np.arange(6).reshape(2, 3), t0_ns=5,
+                          ego_history_xyz=np.zeros((16, 3), np.float32), ego_history_rot=EYE16)
+    monkeypatch.setattr(frame_cache, "_HASH_THREADS", 1)
+    serial = frame_cache.frame_keys(window)
+    monkeypatch.setattr(frame_cache, "_HASH_THREADS", 3)
+    assert frame_cache.frame_keys(window) == serial
+    assert serial == [frame_key(camera, stamp, images[row, col]) for row, camera in enumerate((0, 6))
+                      for col, stamp in enumerate(range(row * 3, row * 3 + 3))]
+
+
 def _patched(inputs: DrivingInput) -> DrivingInput:
     """inputs with an 8x8 block of the newest front frame repainted; same cameras and stamps."""
     images = inputs.images.copy()
