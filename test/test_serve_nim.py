@@ -5,6 +5,8 @@ nothing, and the operational routes answer."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 from typing import Callable, Iterator
@@ -13,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 from serve_helpers import hf_server, png_data_url, small_frames_checkpoint
 
 from alpamayo_ros.core.pipeline import Pipeline
@@ -111,8 +114,9 @@ def test_default_sixteen_image_trajectory(http: httpx.Client, pipeline: Pipeline
     front_tele x t0 (oldest) ... t3 (current)."""
     frames = camera_frames(DOC_DEFAULT_ORDER, 4, seed=1)
     xyz, rot = history()
-    response = http.post("/v1/infer", json={"images": images_of(frames, DOC_DEFAULT_ORDER),
-                                            "egomotion": egomotion(xyz, rot), "max_tokens": MAX_TOKENS, "seed": 42})
+    bare = [url.split(",", 1)[1] for url in images_of(frames, DOC_DEFAULT_ORDER)]  # plain base64 is allowed too
+    response = http.post("/v1/infer", json={"images": bare, "egomotion": egomotion(xyz, rot), "max_tokens": MAX_TOKENS,
+                                            "seed": 42})
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["mode"] == "trajectory" and body["camera_order"] == DOC_DEFAULT_ORDER
@@ -173,7 +177,8 @@ def test_cameras_in_any_order_are_planned_by_index(http: httpx.Client, pipeline:
     order = ["front_tele", "camera_cross_left_120fov"]  # a full dataset name works too
     frames = camera_frames(["front_tele", "cross_left"], 2, seed=5)
     xyz, rot = history()
-    images = [png_data_url(image) for name in ("front_tele", "cross_left") for image in frames[name]]
+    formats = iter(["WEBP", "BMP", "PNG", "BMP"])  # lossless WebP and BMP decode to the same pixels
+    images = [_data_url(image, next(formats)) for name in ("front_tele", "cross_left") for image in frames[name]]
     response = http.post("/v1/infer", json={"images": images, "camera_order": order, "num_frames_per_camera": 2,
                                             "egomotion": egomotion(xyz, rot), "max_tokens": MAX_TOKENS, "seed": 5})
     assert response.status_code == 200, response.text
@@ -220,12 +225,13 @@ def test_vqa_route_and_operational_routes(http: httpx.Client, pipeline: Pipeline
     assert http.get("/v1/models").json()["data"][0]["id"]
 
 
+def _data_url(image: np.ndarray, image_format: str) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format=image_format, **({"lossless": True} if image_format == "WEBP" else {}))
+    return f"data:image/{image_format.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 def _decode(url: str) -> np.ndarray:
-    import base64
-    import io
-
-    from PIL import Image
-
     with Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as image:
         return np.asarray(image.convert("RGB"))
 
