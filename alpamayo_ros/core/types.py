@@ -28,6 +28,11 @@ NUM_WAYPOINTS = 64  # 6.4 s at 10 Hz
 WAYPOINT_DT_S = 0.1
 FRAMES_PER_CAMERA = 4
 FRAME_SPACING_S = 0.1
+#: Largest |R^T R - I| entry and |det R - 1| an ego-history rotation may show. Rotations from
+#: interpolated unit quaternions are orthonormal to float32 precision (~1e-6); 1e-3 leaves room
+#: for rounded JSON or single-precision round trips and still refuses a scaled, sheared or
+#: reflected matrix (2*I is off by 3, a 1-degree shear by ~1.7e-2).
+ROTATION_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,9 @@ class DrivingInput:
     frame_stamps_ns: int64 (cameras, frames), capture time of every frame.
     ego_history_xyz: float32 (16, 3), poses at t0-1.5 s ... t0 in the t0 ego frame (m);
         the last row is the origin.
-    ego_history_rot: float32 (16, 3, 3), rotations in the t0 ego frame; last is identity.
+    ego_history_rot: float32 (16, 3, 3), rotations in the t0 ego frame; last is identity. Each
+        must be a rotation (ROTATION_TOLERANCE): a scaled or reflected matrix is refused here,
+        so no producer (server, node, evaluator) can plan from one.
     route_text: navigation instruction ("Turn right in 30m") or None.
     """
 
@@ -70,6 +77,22 @@ class DrivingInput:
             raise ValueError(f"ego_history_rot: expected ({NUM_HISTORY_POSES}, 3, 3), got {self.ego_history_rot.shape}")
         if not (np.isfinite(self.ego_history_xyz).all() and np.isfinite(self.ego_history_rot).all()):
             raise ValueError("ego_history: non-finite values")
+        bad = not_rotations(self.ego_history_rot)
+        if bad:
+            raise ValueError(f"ego_history_rot: not a rotation (orthonormal within {ROTATION_TOLERANCE}, "
+                             f"determinant +1) at pose {bad[0][0]}: {bad[0][1]}")
+
+
+def not_rotations(matrices: np.ndarray, tolerance: float = ROTATION_TOLERANCE) -> list[tuple[int, str]]:
+    """(index, what is wrong) of every 3x3 matrix in matrices (N, 3, 3) that is not a rotation:
+    R^T R off the identity, or a determinant off +1 (a reflection), by more than tolerance."""
+    rot = np.asarray(matrices, dtype=np.float64)
+    gram_error = np.abs(np.einsum("nji,njk->nik", rot, rot) - np.eye(3)).max(axis=(1, 2))
+    det = np.linalg.det(rot)
+    bad = []
+    for index in np.flatnonzero((gram_error > tolerance) | (np.abs(det - 1.0) > tolerance)):
+        bad.append((int(index), f"|R^T R - I| = {gram_error[index]:.3g}, det = {det[index]:.3g}"))
+    return bad
 
 
 class PlanCancelled(RuntimeError):

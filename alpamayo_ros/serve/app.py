@@ -1,7 +1,9 @@
-"""The HTTP application: routes of the three front doors over one PipelineWorker.
+"""The HTTP application: routes of the front doors over one PipelineWorker (the OpenAI-style
+chat, the binary plan endpoint, the FlashDrive sidecar here; the NIM's routes in nim.py).
 
-Security defaults live here too: an optional bearer key (every route but /health and the
-schema), a body-size limit before anything is parsed, and one JSON error shape for every refusal
+Security defaults live here too: an optional bearer key (every route but the health routes and
+the schema), a body-size limit before anything is parsed, a deadline for the body to arrive,
+and one JSON error shape for every refusal
 ({"error": {"message", "type", "param", "code"}}, OpenAI's), with the offending field in param.
 Requests are parsed and validated in the thread pool (image decoding is not free), then queued
 for the pipeline thread; nothing reaches the pipeline before it is valid as a whole.
@@ -9,6 +11,7 @@ for the pipeline thread; nothing reaches the pipeline before it is valid as a wh
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -23,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ..core.types import SamplingSettings
-from . import chat, sidecar, wire
+from . import chat, nim, sidecar, wire
 from .frame_store import FrameStore
 from .metrics import ServerMetrics
 from .plan_request import parse_plan_request
@@ -33,6 +36,7 @@ from .worker import PipelineWorker, QueueFull
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 * 2**20  # 16 resized frames are ~9 MB; 16 full-size PNGs ~70 MB
+DEFAULT_BODY_TIMEOUT_S = 30.0  # 64 MB at ~20 Mbit/s; a body slower than this holds a connection for nothing
 RETRY_AFTER_S = 1
 
 
@@ -43,7 +47,9 @@ class ServerOptions:
     which carry none. frame_store_frames / frame_store_bytes: bounds of the frames held for
     delta requests of the binary endpoint (all sessions together; 128 frames are 8 W16 windows
     of 16 resized full-HD frames, ~70 MB). allow_shm: requests may name shared-memory segments
-    to read frames from (only for clients on this host; the CLI allows it for a loopback bind)."""
+    to read frames from (only for clients on this host; the CLI allows it for a loopback bind).
+    body_timeout_s: the longest a request body may take to arrive once its headers are in;
+    then 408 and the connection is closed."""
 
     model_name: str = "alpamayo-1.5"
     api_key: str | None = None
@@ -54,6 +60,7 @@ class ServerOptions:
     frame_store_frames: int = 128
     frame_store_bytes: int = 256 * 2**20
     allow_shm: bool = False
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
 class Refused(Exception):
@@ -80,6 +87,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="alpamayo-serve", version="0.1.0", lifespan=lifespan,
                   description="Alpamayo 1.5 trajectories and answers over HTTP (one Pipeline).")
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes, metrics=metrics)
+    app.add_middleware(BodyTimeout, timeout_s=options.body_timeout_s, metrics=metrics)
 
     def error(status: int, reason: str, message: str, param: str | None = None,
               headers: dict[str, str] | None = None) -> JSONResponse:
@@ -160,9 +168,25 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
             return JSONResponse({"status": "failed", "error": str(worker.failed)}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
+    def prometheus_text() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
     @app.get("/metrics", dependencies=guarded, summary="Prometheus text format")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return prometheus_text()
+
+    def describe() -> dict:
+        if not worker.ready.is_set():
+            return {}
+        pipeline = worker.pipeline
+        dtype = str(getattr(pipeline, "dtype", "")).removeprefix("torch.")
+        frames = pipeline.frames
+        return {"backend": pipeline.backbone.name, "device": str(pipeline.device),
+                "profile": f"{pipeline.backbone.name}-{dtype}" if dtype else pipeline.backbone.name,
+                "frame_cache": {"frames": len(frames), "hits": frames.hits, "misses": frames.misses}}
+
+    nim.register(app, run=run, ready=worker.ready.is_set, metrics_text=prometheus_text, guarded=guarded,
+                 model_name=options.model_name, limits=options.limits, describe=describe)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
@@ -172,9 +196,11 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=chat.ChatCompletion,
               response_model_exclude_none=True)
     async def chat_completions(body: chat.ChatCompletionRequest) -> chat.ChatCompletion:
-        if body.model != options.model_name:
-            raise Refused(404, "model_not_found", f"model {body.model!r} is not served (serving {options.model_name!r})", "model")
-        trajectory = body.output_modality == "trajectory"
+        nim.served_model(body.model, options.model_name)
+        trajectory = body.output_modality == "trajectory" or (body.nvext is not None and body.nvext.egomotion is not None)
+        if body.nvext is not None or not body.image_meta:  # the NIM's envelope: images in order, fields in nvext
+            return await nim.chat_nim(body, trajectory, run=run, limits=options.limits)
+        model = body.model or options.model_name
 
         def parse() -> tuple:
             settings = chat.sampling_settings(body, options.limits)
@@ -183,10 +209,15 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
 
         inputs, settings, question, length = await run_in_threadpool(parse)
         if trajectory:
-            plan = await run(lambda pipeline: pipeline.plan(inputs, settings))
-            return chat.trajectory_completion(plan, options.model_name)
-        replies = await run(lambda pipeline: pipeline.generate_text(inputs, question, settings, max_new_tokens=length))
-        return chat.text_completion(replies, length, options.model_name)
+            def plan_job(pipeline: Any) -> chat.ChatCompletion:
+                plan = pipeline.plan(inputs, settings)
+                return chat.trajectory_completion(plan, model, chat.prompt_tokens(pipeline, inputs))
+            return await run(plan_job)
+
+        def text_job(pipeline: Any) -> chat.ChatCompletion:
+            replies = pipeline.generate_text(inputs, question, settings, max_new_tokens=length)
+            return chat.text_completion(replies, length, model, chat.prompt_tokens(pipeline, inputs, question))
+        return await run(text_job)
 
     @app.get("/v1/plan/info", dependencies=guarded,
              summary="What a binary-endpoint client needs: the frame geometry the pipeline resizes to")
@@ -243,6 +274,65 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         return Response(sidecar.encode({"status": "ok"}, {}), media_type=sidecar.CONTENT_TYPE)
 
     return app
+
+
+class BodyTimeout:
+    """ASGI middleware: a request body must arrive within timeout_s of its headers. A client
+    that stops sending mid-body gets 408 (or, if an answer has begun, a dropped connection)
+    instead of holding its connection open for ever. Only waits for body bytes are bounded:
+    once the body is complete, a route may wait on the connection (for a disconnect) as long
+    as it runs."""
+
+    def __init__(self, app: Any, timeout_s: float, metrics: ServerMetrics) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        self.app, self.timeout_s, self.metrics = app, timeout_s, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        state = {"body_done": False, "started": False, "timed_out": False}
+
+        async def bounded_receive() -> dict:
+            if state["body_done"]:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                state["timed_out"] = True
+                raise BodyTimedOut(self.timeout_s) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                state["body_done"] = True
+            return message
+
+        async def tracked_send(message: dict) -> None:
+            if state["timed_out"]:
+                return  # the app's answer to a body it never got (FastAPI makes it a 400); ours follows
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracked_send)
+        except Exception:
+            if not state["timed_out"]:
+                raise
+        if not state["timed_out"] or state["started"]:  # too late for a status: the server drops the connection
+            return
+        self.metrics.rejections.labels("body_timeout").inc()
+        message = f"request body not received within {self.timeout_s:g} s"
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": "body", "code": "body_timeout"}}
+        await JSONResponse(body, status_code=408, headers={"Connection": "close"})(scope, receive, send)
+
+
+class BodyTimedOut(Exception):
+    """The request body did not arrive in time (BodyTimeout answers it)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"request body not received within {timeout_s:g} s")
 
 
 class BodyLimit:

@@ -5,6 +5,8 @@ Images are `image_url` content parts (base64 data URLs, JPEG or PNG); what the c
 field for travels as extra body fields (the openai client's `extra_body`): `image_meta` gives
 each image's camera index and capture time, in the order of the image parts; `ego_history`,
 `route`, the sampling settings the chat API lacks, and `output_modality: "trajectory"`.
+A NIM client's request instead puts its Alpamayo fields under `nvext` and sends no `image_meta`
+(serve/nim.py groups its images); both kinds get OpenAI's `usage` block back.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import numpy as np
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.pipeline import TextReply
+from ..core.pipeline import Pipeline, TextReply
+from ..core.preprocess import smart_resize
+from ..core.prompt import render_driving_prompt, render_vqa_prompt
 from ..core.types import CAMERAS, NUM_HISTORY_POSES, WAYPOINT_DT_S, DrivingInput, Plan, SamplingSettings
+from .nim_schema import NvExt, Usage
 from .requests import Limits, RequestError, checked_settings, driving_input
 
-IMAGE_FORMATS = {"JPEG", "PNG"}
+IMAGE_FORMATS = frozenset({"JPEG", "PNG"})
 
 
 class _Strict(BaseModel):
@@ -67,7 +72,8 @@ class EgoHistory(_Strict):
 class ChatCompletionRequest(_Strict):
     """chat.completions with Alpamayo's extra fields; unknown fields are refused by name."""
 
-    model: str
+    model: str | None = Field(default=None, description="the served model id (or NIM's nvidia/alpamayo1.5); "
+                                                        "omitted: the served model")
     messages: list[Message] = Field(min_length=1)
     output_modality: Literal["trajectory", "text"] = "text"
     image_meta: list[ImageMeta] = Field(default_factory=list, description="one per image part, in order")
@@ -77,7 +83,9 @@ class ChatCompletionRequest(_Strict):
     n: int = SamplingSettings.num_samples
     temperature: float = SamplingSettings.temperature
     top_p: float = SamplingSettings.top_p
-    seed: int = SamplingSettings.seed
+    seed: int | None = SamplingSettings.seed
+    top_k: int | None = Field(default=None, ge=1, description="1 = greedy; larger values are not supported")
+    nvext: NvExt | None = Field(default=None, description="NIM's Alpamayo fields (see README, Serving)")
     max_reasoning_tokens: int = SamplingSettings.max_reasoning_tokens
     flow_steps: int = SamplingSettings.flow_steps
     cfg_weight: float | None = SamplingSettings.cfg_weight
@@ -113,18 +121,40 @@ class ChatCompletion(BaseModel):
     created: int
     model: str
     choices: list[Choice]
+    usage: Usage | None = None
     trajectory: Trajectory | None = None
 
 
+def usage(prompt_tokens: int, generated: list[list[int]]) -> Usage:
+    completion = sum(len(row) for row in generated)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+def prompt_tokens(pipeline: Pipeline, inputs: DrivingInput, question: str | None = None) -> int:
+    """Length of the prompt pipeline.plan (question None) or generate_text renders for inputs,
+    counted from the frame geometry without preprocessing the frames again."""
+    geometry = pipeline.frames.geometry
+    height, width = smart_resize(*inputs.images.shape[2:4], geometry)
+    per_image = (height // geometry.factor) * (width // geometry.factor)
+    layout = {"camera_indices": inputs.camera_indices, "frames_per_camera": inputs.images.shape[1],
+              "tokens_per_image": [per_image] * (inputs.images.shape[0] * inputs.images.shape[1])}
+    if question is None:
+        return len(render_driving_prompt(pipeline.tokenizer, history_ids=pipeline.history_ids(inputs),
+                                         route_text=inputs.route_text, **layout))
+    return len(render_vqa_prompt(pipeline.tokenizer, question=question, **layout))
+
+
 def sampling_settings(request: ChatCompletionRequest, limits: Limits) -> SamplingSettings:
+    if request.top_k not in (None, 1):
+        raise RequestError("top_k", f"only 1 (greedy) or null is supported, got {request.top_k}")
     settings = SamplingSettings(
         num_samples=request.n,
-        temperature=request.temperature,
+        temperature=0.0 if request.top_k == 1 else request.temperature,
         top_p=request.top_p,
         max_reasoning_tokens=request.max_reasoning_tokens,
         flow_steps=request.flow_steps,
         cfg_weight=request.cfg_weight,
-        seed=request.seed,
+        seed=SamplingSettings.seed if request.seed is None else request.seed,
     )
     names = {"num_samples": "n"}
     try:
@@ -141,7 +171,9 @@ def answer_length(request: ChatCompletionRequest, limits: Limits) -> int:
 
 
 def question(request: ChatCompletionRequest) -> str:
-    """The user's text parts, joined: the VQA question."""
+    """The user's text parts, joined (or NIM's nvext.question): the VQA question."""
+    if request.nvext is not None and request.nvext.question:
+        return request.nvext.question
     texts = [
         part if isinstance(part, str) else part.text
         for message in request.messages
@@ -155,15 +187,20 @@ def question(request: ChatCompletionRequest) -> str:
     return text
 
 
-def chat_driving_input(request: ChatCompletionRequest, limits: Limits, require_history: bool) -> DrivingInput:
-    """Decode the image parts and group them by camera (oldest first) into a DrivingInput."""
-    parts = [
+def image_parts(request: ChatCompletionRequest) -> list[ImagePart]:
+    """The image_url parts of every message, in order."""
+    return [
         part
         for message in request.messages
         if not isinstance(message.content, str)
         for part in message.content
         if isinstance(part, ImagePart)
     ]
+
+
+def chat_driving_input(request: ChatCompletionRequest, limits: Limits, require_history: bool) -> DrivingInput:
+    """Decode the image parts and group them by camera (oldest first) into a DrivingInput."""
+    parts = image_parts(request)
     if not parts:
         raise RequestError("messages", "no image_url content part: at least one camera image is required")
     if len(parts) > limits.max_images:
@@ -211,9 +248,13 @@ def chat_driving_input(request: ChatCompletionRequest, limits: Limits, require_h
     )
 
 
-def decode_image(url: str, field: str, limits: Limits) -> np.ndarray:
-    """A base64 JPEG or PNG data URL as uint8 RGB (H, W, 3); the size is checked before decoding."""
+def decode_image(url: str, field: str, limits: Limits, formats: frozenset[str] = IMAGE_FORMATS,
+                 bare_base64: bool = False) -> np.ndarray:
+    """A base64 data URL of one of formats (bare base64 too, with bare_base64) as uint8 RGB
+    (H, W, 3); the size is checked before decoding."""
     header, sep, payload = url.partition(",")
+    if bare_base64 and not url.startswith("data:"):
+        header, sep, payload = "data:image/*;base64", ",", url
     if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
         raise RequestError(field, "expected a data URL: data:image/png;base64,... or data:image/jpeg;base64,...")
     try:
@@ -222,8 +263,8 @@ def decode_image(url: str, field: str, limits: Limits) -> np.ndarray:
         raise RequestError(field, f"bad base64 ({error})") from error
     try:
         with Image.open(io.BytesIO(raw)) as image:
-            if image.format not in IMAGE_FORMATS:
-                raise RequestError(field, f"expected JPEG or PNG, got {image.format}")
+            if image.format not in formats:
+                raise RequestError(field, f"expected {' or '.join(sorted(formats))}, got {image.format}")
             width, height = image.size
             if width * height > limits.max_image_pixels:
                 raise RequestError(field, f"{width}x{height} pixels (limit {limits.max_image_pixels})")
@@ -231,18 +272,20 @@ def decode_image(url: str, field: str, limits: Limits) -> np.ndarray:
     except RequestError:
         raise
     except (OSError, ValueError, Image.DecompressionBombError) as error:
-        raise RequestError(field, f"not a decodable JPEG/PNG image ({error})") from error
+        raise RequestError(field, f"not a decodable {'/'.join(sorted(formats))} image ({error})") from error
 
 
-def trajectory_completion(plan: Plan, model: str) -> ChatCompletion:
+def trajectory_completion(plan: Plan, model: str, prompt_length: int, content: list[str] | None = None) -> ChatCompletion:
+    """content: the message of each choice (default: its reasoning text)."""
     return ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=model,
         choices=[
             Choice(index=i, message=ResponseMessage(content=text), finish_reason="stop")
-            for i, text in enumerate(plan.coc)
+            for i, text in enumerate(plan.coc if content is None else content)
         ],
+        usage=usage(prompt_length, plan.generated_ids),
         trajectory=Trajectory(
             pred_xyz=plan.xyz.tolist(),
             pred_rot=plan.rot.tolist(),
@@ -255,7 +298,7 @@ def trajectory_completion(plan: Plan, model: str) -> ChatCompletion:
     )
 
 
-def text_completion(replies: list[TextReply], max_new_tokens: int, model: str) -> ChatCompletion:
+def text_completion(replies: list[TextReply], max_new_tokens: int, model: str, prompt_length: int) -> ChatCompletion:
     """One choice per sample: the answer between the answer tokens, or all generated text when
     the model never closed an answer; "length" when the reply used every allowed token."""
     return ChatCompletion(
@@ -270,6 +313,7 @@ def text_completion(replies: list[TextReply], max_new_tokens: int, model: str) -
             )
             for i, reply in enumerate(replies)
         ],
+        usage=usage(prompt_length, [reply.token_ids for reply in replies]),
     )
 
 

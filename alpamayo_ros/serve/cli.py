@@ -1,7 +1,8 @@
 """`alpamayo-serve`: load one Pipeline, warm it up, serve it over HTTP (uvicorn).
 
     alpamayo-serve --checkpoint CKPT [--backend vllm|hf] [--device cuda] [--host 127.0.0.1]
-                   [--port 8000] [--api-key KEY] [--queue-size 4] [--max-body-mb 64] [--[no-]shm]
+                   [--port 8000] [--api-key KEY] [--queue-size 4] [--max-body-mb 64] [--body-timeout-s 30]
+                   [--[no-]shm]
 
 The port opens at once; /health answers 503 until the pipeline is loaded and has planned one
 warm-up request, so a supervisor can wait on it.
@@ -22,7 +23,7 @@ import uvicorn
 
 from ..core.pipeline import BACKENDS, Pipeline
 from ..core.types import FRAME_SPACING_S, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
-from .app import DEFAULT_MAX_BODY_BYTES, ServerOptions, create_app
+from .app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ServerOptions, create_app
 from .requests import Limits, RequestError, checked_settings
 from .shm import is_loopback
 from .worker import PipelineWorker
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--queue-size", type=int, default=ServerOptions.queue_size,
                         help="requests waiting for the pipeline before 503 + Retry-After")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20)
+    parser.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="longest a request body may take to arrive; then 408 and the connection closes")
     parser.add_argument("--frame-store-frames", type=int, default=ServerOptions.frame_store_frames,
                         help="resized frames held for delta requests of /v1/plan (all clients)")
     parser.add_argument("--frame-store-mb", type=float, default=ServerOptions.frame_store_bytes / 2**20)
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                     args.backend, args.device, time.perf_counter() - started)
         return pipeline
 
+    if not args.body_timeout_s > 0:
+        logger.error("--body-timeout-s: must be > 0, got %s", args.body_timeout_s)
+        return 2
     limits = Limits(max_samples=args.max_samples, max_reasoning_tokens=args.max_reasoning_tokens)
     try:
         sidecar_settings = checked_settings(dataclasses.replace(SIDECAR_SETTINGS, **args.sidecar_settings), limits,
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         frame_store_frames=args.frame_store_frames,
         frame_store_bytes=int(args.frame_store_mb * 2**20),
         allow_shm=is_loopback(args.host) if args.shm is None else args.shm,
+        body_timeout_s=args.body_timeout_s,
     )
     app = create_app(PipelineWorker(load, args.queue_size), server_options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
