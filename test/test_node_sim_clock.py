@@ -9,7 +9,6 @@ A real node process (remote backend: no model to load) and a real /clock from th
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from alpamayo_ros.ros.testing import (
     wait_until,
     write_params_file,
 )
+from alpamayo_ros.serve.process import free_port  # the remote backend's server: down
 
 SIM_START_S = 1000.0
 JUMP_S = 500.0
@@ -36,11 +36,6 @@ MAX_SILENCE_S = 3.0
 TIMEOUT_S = 300.0  # hang guard on a busy machine
 ROUNDING_S = 0.15  # since_plan_s is reported to 0.1 s
 
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _report(msg: DiagnosticArray) -> dict[str, str]:
@@ -57,7 +52,7 @@ def test_late_clock_and_a_jump_are_no_stall_and_a_real_stall_names_its_reason(tm
     side = RosSide(domain_id, "sim_clock_test")
     cameras = [CameraFeed(1, "/simclock/front", "raw")]
     params = write_params_file(tmp_path / "drive.yaml", {
-        "use_sim_time": True, "model.backend": "remote", "remote.url": f"http://127.0.0.1:{_closed_port()}",
+        "use_sim_time": True, "model.backend": "remote", "remote.url": f"http://127.0.0.1:{free_port()}",
         "cameras.topics": [c.topic for c in cameras], "cameras.indices": [c.index for c in cameras],
         "cameras.transports": [c.transport for c in cameras], "odometry.topic": "/simclock/odom",
         "diagnostics.max_plan_silence_s": MAX_SILENCE_S, "diagnostics.rate_hz": 4.0,

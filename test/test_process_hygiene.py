@@ -14,7 +14,6 @@ is only held open, and its named semaphore (`sem.*_mutex`) is mapped under a tem
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from alpamayo_ros.ros.testing import (
     wait_until,
     write_params_file,
 )
+from alpamayo_ros.serve.process import free_port  # the remote backend's server: down
 
 FASTDDS_SHM_PREFIXES = ("fastdds_", "fastrtps_", "fast_datasharing_", "sem.fastdds_", "sem.fastrtps_")
 CLEANUP_TIMEOUT_S = 60.0  # a hang guard: a loaded machine may take long to end a peer still using a port
@@ -141,19 +141,13 @@ def test_sigint_ends_ros_processes_cleanly_without_shm_leftovers(tmp_path: Path)
         assert stop_process(bystander) == 0, (tmp_path / "bystander.log").read_text()
 
 
-def _closed_port() -> int:
-    """A local TCP port nothing listens on (a server that is down)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.mark.parametrize("marker", ["importing the remote model stack", "ready: "], ids=["importing", "ready"])
 def test_drive_node_ctrl_c_logs_no_rosout_failure(tmp_path: Path, marker: str) -> None:
     """The node logs "shutting down" after the signal: with ROS still up, so the line reaches
     /rosout instead of rcl's complaint that the publisher's context is invalid."""
     params = write_params_file(tmp_path / "drive.yaml", {
-        "model.backend": "remote", "remote.url": f"http://127.0.0.1:{_closed_port()}",
+        "model.backend": "remote", "remote.url": f"http://127.0.0.1:{free_port()}",
     })  # fmt: skip
     log = tmp_path / "node.log"  # stdout and stderr
     process = start_console_script("alpamayo_drive", env=ros_env(unique_domain_id()), log_path=log, params_file=params)
