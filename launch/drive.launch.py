@@ -3,9 +3,10 @@
 `ros2 launch alpamayo_ros drive.launch.py checkpoint_path:=/models/Alpamayo-1.5-10B backend:=vllm`
 
 Every key parameter is a launch argument; an argument left empty keeps the params file's
-value, so the YAML stays the single place for defaults. ROS 2 launch is not on PyPI: without
-it this file still imports (the static test reads PARAMETER_ARGUMENTS), and the node is
-started from its console script instead (see README).
+value, so the YAML stays the single place for defaults. use_sim_time too: empty by default, so
+a params file's `use_sim_time: true` (a replay setup's) holds unless the argument says otherwise.
+ROS 2 launch is not on PyPI: without it this file still imports (the tests read its tables and
+call node_parameters), and the node is started from its console script instead (see README).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ PARAMETER_ARGUMENTS: dict[str, str] = {
 LAUNCH_ARGUMENTS: dict[str, tuple[str, str]] = {
     "params_file": ("", "Parameters YAML; empty = the installed config/drive.yaml."),
     "namespace": ("", "Namespace of the node."),
-    "use_sim_time": ("false", "Use /clock (bag replay, simulators)."),
+    "use_sim_time": ("", "Use /clock (bag replay, simulators); empty = the params file's value (else false)."),
     "rviz": ("false", "Also start rviz2 with config/alpamayo.rviz."),
     "log_level": ("info", "Node log level."),
 }
@@ -88,17 +89,55 @@ def parameter_overrides(arguments: dict[str, str]) -> dict[str, object]:
     return overrides
 
 
+def _sim_time_argument(text: str) -> bool | None:
+    """use_sim_time:=true|false; None when empty (the params file decides)."""
+    if text == "":
+        return None
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"use_sim_time: expected true, false or empty, got {text!r}")
+    return text.lower() == "true"
+
+
+def node_parameters(arguments: dict[str, str], params_file: str) -> list:
+    """alpamayo_drive's `parameters` for launch_ros: the params file, then the overrides of the
+    non-empty arguments (launch_ros passes each as a --params-file, the later one winning)."""
+    overrides = parameter_overrides(arguments)
+    sim_time = _sim_time_argument(arguments.get("use_sim_time", ""))
+    if sim_time is not None:
+        overrides["use_sim_time"] = sim_time
+    return [params_file, overrides]
+
+
+def effective_sim_time(arguments: dict[str, str], params_file: str) -> bool:
+    """Whether the node runs on /clock: the argument if given, else the params file's use_sim_time
+    for any node it configures, else false (rviz2 must follow the same clock)."""
+    sim_time = _sim_time_argument(arguments.get("use_sim_time", ""))
+    if sim_time is not None:
+        return sim_time
+    with open(params_file) as text:
+        return _file_sets_sim_time(yaml.safe_load(text))
+
+
+def _file_sets_sim_time(tree: object) -> bool:
+    """Whether some ros__parameters block of a params file (under any node or namespace key)
+    sets use_sim_time true."""
+    if not isinstance(tree, dict):
+        return False
+    block = tree.get("ros__parameters")
+    if isinstance(block, dict) and block.get("use_sim_time") is True:
+        return True
+    return any(_file_sets_sim_time(value) for key, value in tree.items() if key != "ros__parameters")
+
+
 def _launch_nodes(context) -> list:
     arguments = {name: LaunchConfiguration(name).perform(context) for name in (*PARAMETER_ARGUMENTS, *LAUNCH_ARGUMENTS)}
     share = get_package_share_directory(PACKAGE)
     params_file = arguments["params_file"] or os.path.join(share, "config", "drive.yaml")
-    overrides = parameter_overrides(arguments)
-    overrides["use_sim_time"] = arguments["use_sim_time"].lower() == "true"
     drive = Node(
         package=PACKAGE,
         executable="alpamayo_drive",
         namespace=arguments["namespace"],
-        parameters=[params_file, overrides],
+        parameters=node_parameters(arguments, params_file),
         ros_arguments=["--log-level", arguments["log_level"]],
         output="screen",
         emulate_tty=True,
@@ -113,7 +152,7 @@ def _launch_nodes(context) -> list:
         package="rviz2",
         executable="rviz2",
         arguments=["-d", os.path.join(share, "config", "alpamayo.rviz")],
-        parameters=[{"use_sim_time": overrides["use_sim_time"]}],
+        parameters=[{"use_sim_time": effective_sim_time(arguments, params_file)}],
     )
     return [drive, rviz]
 

@@ -156,3 +156,44 @@ def test_launch_leaves_the_node_its_shutdown_time_and_checks_for_rviz() -> None:
         get_package_prefix("rviz2")
     except LookupError:
         assert "rviz2" in missing  # this machine has no rviz2: the reason says so
+
+
+def _declared_sim_time(tmp_path: Path, parameters: list) -> bool:
+    """use_sim_time of a real rclpy node given `parameters` the way launch_ros passes them: each
+    entry a --params-file in order, a dict written to a file keyed /** first."""
+    args = ["--ros-args"]
+    for k, entry in enumerate(parameters):
+        if isinstance(entry, dict):
+            path = tmp_path / f"overrides_{k}.yaml"
+            path.write_text(yaml.safe_dump({"/**": {"ros__parameters": entry}}))
+            entry = str(path)
+        args += ["--params-file", entry]
+    context = Context()
+    rclpy.init(context=context, args=args)
+    try:
+        node = Node("alpamayo_drive", context=context)
+        value = node.get_parameter("use_sim_time").value
+        node.destroy_node()
+        return value
+    finally:
+        rclpy.shutdown(context=context)
+
+
+def test_launch_keeps_the_params_files_use_sim_time_unless_the_argument_sets_it(tmp_path: Path) -> None:
+    """A replay setup's params file says use_sim_time: true; the launch file's empty default
+    must leave it so, and an explicit argument must win either way."""
+    launch = load_launch_module()
+    replay_yaml = tmp_path / "drive.yaml"
+    replay_yaml.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"use_sim_time": True, "planning.rate_hz": 2.0}}}))
+    default = {name: default for name, (default, _) in launch.LAUNCH_ARGUMENTS.items()}
+    assert default["use_sim_time"] == ""
+    kept = launch.node_parameters(default, str(replay_yaml))
+    assert _declared_sim_time(tmp_path, kept) is True
+    assert launch.effective_sim_time(default, str(replay_yaml)) is True  # rviz2 follows the node's clock
+    for text, expected in (("false", False), ("True", True)):
+        given = launch.node_parameters({**default, "use_sim_time": text}, str(replay_yaml))
+        assert _declared_sim_time(tmp_path, given) is expected, text
+        assert launch.effective_sim_time({**default, "use_sim_time": text}, str(replay_yaml)) is expected
+    assert launch.effective_sim_time(default, str(YAML_PATH)) is False  # the shipped file leaves it unset
+    with pytest.raises(ValueError, match="use_sim_time"):
+        launch.node_parameters({**default, "use_sim_time": "yes please"}, str(replay_yaml))

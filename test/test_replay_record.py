@@ -4,14 +4,16 @@ Real DDS between three processes (replayer, recorder, pytest): same topics, same
 same decoded fields, plus a /clock that follows the bag time.
 """
 
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mcap.reader import make_reader
 from mcap_ros2.decoder import DecoderFactory
-from alpamayo_ros.ros.testing import VENV_BIN, ros_env, stop_process, unique_domain_id
+from alpamayo_ros.ros.testing import VENV_BIN, ros_env, stop_process, unique_domain_id, wait_until
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics, decode_image, read_messages, register_msgtype
 from alpamayo_ros.inputs.messages import stamp_to_ns
@@ -162,3 +164,27 @@ def test_sim_time_recorder_keeps_the_first_messages_of_a_replay(tmp_path):
     assert bag_topics(out) == bag_topics(src)
     (route,) = read_messages(out, topics=["/navigation/instruction"])
     assert route.msg.data == "Turn left" and T0 <= route.log_time_ns <= T0 + 20 * 20_000_000
+
+
+def test_loop_replays_until_ctrl_c_then_exits_0(tmp_path):
+    """--loop: "replay until interrupted", so Ctrl-C is how it ends: with exit code 0 and no
+    traceback, also when an impatient user presses it twice (the second came during the
+    interpreter's exit, which had set SIGINT back to the default: killed, exit -2)."""
+    src = tmp_path / "src"
+    _write_source_bag(src)
+    log_path = tmp_path / "replay.log"
+    with open(log_path, "wb") as log:
+        play = subprocess.Popen([str(VENV_BIN / "alpamayo-replay"), str(src), "--loop", "--rate", "4",
+                                 "--wait-timeout", "0"], env=ros_env(unique_domain_id()), stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            loops = lambda: log_path.read_text().count("published 77 messages")  # noqa: E731
+            assert wait_until(lambda: loops() >= 2 or play.poll() is not None, timeout_s=120), log_path.read_text()
+            assert play.poll() is None, log_path.read_text()  # still looping
+            play.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        finally:
+            code = stop_process(play, timeout_s=30)  # the second SIGINT, if it still runs
+    text = log_path.read_text()
+    assert code == 0, text
+    assert "replay: interrupted" in text and "Traceback" not in text and "RCLError" not in text, text

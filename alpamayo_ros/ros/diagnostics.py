@@ -29,7 +29,25 @@ class Outcomes:
     input_age_ms: float = math.nan
     latency_ms: float = math.nan
     skew_ms: float = math.nan
-    last_plan_ns: int | None = None  # node clock at the last published plan (or at ready)
+    counting_silence: bool = False  # from ready on
+    silence_from_ns: int | None = None  # node clock since which no plan came out; None: its next reading
+
+    def restart_silence(self, now_ns: int) -> None:
+        """Count the time without a plan from now: at ready, at each published plan, and after a
+        jump of the clock. A simulated clock reads 0 until /clock arrives, then jumps to the bag's
+        or simulator's time, and jumps again when a bag loops or seeks: time the node never lived
+        through is no silence. A reading of 0 (no clock yet) leaves the start to the next one.
+        """
+        self.counting_silence = True
+        self.silence_from_ns = now_ns if now_ns > 0 else None
+
+    def silence_ns(self, now_ns: int) -> int | None:
+        """How long no plan has come out, on the node's clock; None before ready or any clock."""
+        if not self.counting_silence or now_ns <= 0:
+            return None
+        if self.silence_from_ns is None:  # the first reading of a clock that arrived after ready
+            self.silence_from_ns = now_ns
+        return now_ns - self.silence_from_ns
 
 
 def planner_status(
@@ -49,11 +67,12 @@ def planner_status(
 
     publishers: each input subscription's matched publisher count ("camera 1 (/topic) 1, ...").
     Never OK while no plan comes out: a failed worker is ERROR, a stall (no plan for
-    diagnostics.max_plan_silence_s once ready) outranks the last rejection, and a refused route is
-    WARN while planning goes on without it.
+    diagnostics.max_plan_silence_s once ready, see Outcomes.restart_silence) outranks the last
+    rejection but names it right after its key, and a refused route is WARN while planning goes
+    on without it.
     """
     counters = scheduler.counters
-    silence_ns = None if outcomes.last_plan_ns is None else now_ns - outcomes.last_plan_ns
+    silence_ns = outcomes.silence_ns(now_ns)
     stalled = state is WorkerState.READY and silence_ns is not None and silence_ns > settings.max_plan_silence_ns
     if state is WorkerState.FAILED:
         level, message = DiagnosticStatus.ERROR, worker_error
@@ -62,11 +81,13 @@ def planner_status(
     elif outcomes.outcome == "error":
         level, message = DiagnosticStatus.ERROR, outcomes.last_error
     elif stalled:  # before the last rejection: a plan in flight for ages is no better
-        last = f"; last rejection {outcomes.last_rejection}" if outcomes.outcome == "rejected" else ""
-        level, message = DiagnosticStatus.WARN, (
-            f"planning_stalled: no plan published for {silence_ns / 1e9:.1f} s "
-            f"(max {settings.max_plan_silence_ns / 1e9:.1f} s, diagnostics.max_plan_silence_s){last}"
-        )
+        silent = f"{silence_ns / 1e9:.1f} s"
+        limit = f"max {settings.max_plan_silence_ns / 1e9:.1f} s, diagnostics.max_plan_silence_s"
+        if outcomes.outcome == "rejected":  # the reason plans are refused is what to act on: first
+            message = f"planning_stalled: no plan: {outcomes.last_rejection} (none for {silent}, {limit})"
+        else:
+            message = f"planning_stalled: no plan published for {silent} ({limit})"
+        level = DiagnosticStatus.WARN
     elif outcomes.outcome == "rejected":
         level, message = DiagnosticStatus.WARN, f"no plan: {outcomes.last_rejection}"
     elif scheduler.route_problem is not None:
@@ -97,6 +118,7 @@ def planner_status(
         "latency_ms": outcomes.latency_ms,
         "camera_skew_ms": outcomes.skew_ms,
         "since_plan_s": math.nan if silence_ns is None else silence_ns / 1e9,
+        "stalled": stalled,
         "last_rejection": outcomes.last_rejection,
         "last_error": outcomes.last_error or worker_error,
         "route_rejection": "" if scheduler.route_problem is None else str(scheduler.route_problem),

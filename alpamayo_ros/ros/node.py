@@ -27,6 +27,8 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Odometry
 from rcl_interfaces.msg import SetParametersResult
+from rclpy.clock import JumpThreshold, TimeJump
+from rclpy.duration import Duration
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.subscription import Subscription
@@ -108,6 +110,12 @@ class DriveNode(Node):
         on_tick = self._on_planning_tick if settings.planning_trigger == "timer" else self._on_watchdog_tick
         self.create_timer(settings.planning_period_s, partial(self._guarded, on_tick))
         self.create_timer(settings.diagnostics_period_s, partial(self._guarded, self._publish_diagnostics))
+        # a jump of the (simulated) clock restarts the count of time without a plan (Outcomes)
+        self._clock_jumps = self.get_clock().create_jump_callback(
+            JumpThreshold(min_forward=Duration(nanoseconds=settings.max_plan_silence_ns),
+                          min_backward=Duration(nanoseconds=-1), on_clock_change=True),
+            post_callback=self._on_clock_jump,
+        )  # fmt: skip
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.add_post_set_parameters_callback(self._after_set_parameters)
         self._worker: InferenceWorker | None = None  # start() makes it
@@ -216,6 +224,11 @@ class DriveNode(Node):
         or a publisher whose QoS or Fast DDS transports (FASTDDS_BUILTIN_TRANSPORTS) do not match."""
         return ", ".join(f"{name} {sub.get_publisher_count()}" for name, sub in self._inputs.items())
 
+    def _on_clock_jump(self, jump: TimeJump) -> None:
+        with self._lock:
+            if self._outcomes.counting_silence:
+                self._outcomes.restart_silence(self._now_ns())
+
     def _on_set_parameters(self, parameters: list[Parameter]) -> SetParametersResult:
         """Validate runtime changes (only sampling.* and gates.* are writable)."""
         merged = dict(self._values)
@@ -250,7 +263,7 @@ class DriveNode(Node):
         if state is WorkerState.READY:
             with self._lock:
                 self._scheduler.worker_ready(now_ns)
-                self._outcomes.last_plan_ns = now_ns
+                self._outcomes.restart_silence(now_ns)
         self._publish_diagnostics()
         if state is WorkerState.FAILED and not self.settings.stay_up_on_failure:
             self.get_logger().fatal("exiting with code 1 (set model.stay_up_on_failure to keep the node up)")
@@ -286,7 +299,7 @@ class DriveNode(Node):
             outcomes.input_age_ms = (started_ns - driving_input.t0_ns) / NS_PER_MS
             outcomes.latency_ms = (published_ns - driving_input.t0_ns) / NS_PER_MS
             outcomes.skew_ms = job.request.assembly.frames.skew_ns / NS_PER_MS
-            outcomes.last_plan_ns = published_ns
+            outcomes.restart_silence(published_ns)
             overruns = self._scheduler.counters.tick_outcomes[TickOutcome.OVERRUN]
         self._outputs.publish(job, plan, timings_ms, started_ns, published_ns, overruns)
         self._publish_diagnostics()

@@ -12,54 +12,49 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import Any, Iterator
 
 import rclpy
 from rclpy.exceptions import ParameterException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.signals import SignalHandlerOptions
 
 from alpamayo_ros.ros.node import NODE_NAME, DriveNode
 from alpamayo_ros.ros.params import help_text
 from alpamayo_ros.settings import ParameterError
 
-SIGNAL_SHUTDOWN_WAIT_S = 1.0  # rclpy's signal thread shuts the context down within this
+SPIN_TIMEOUT_S = 0.25  # how often the spin loop looks for a signal: the exit's added latency
+EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and launch's escalation
 
 
-def _goes_down(context: Any, within_s: float) -> bool:
-    """Whether the ROS context is shut down now or within within_s."""
-    deadline = time.monotonic() + within_s
-    while context.ok():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+class _Signals:
+    """SIGINT and SIGTERM end the spin loop; ROS stays up through the node's teardown.
 
-
-class _Sigint:
-    """Where SIGINT raises KeyboardInterrupt in the main thread: until rclpy is up, then only
-    inside `raising_during`.
-
-    rclpy's own SIGINT handler shuts the context down (the spin loop then ends) and chains to
-    Python's, which by default raises KeyboardInterrupt wherever the main thread happens to be:
-    in rclpy's executor, or halfway through the teardown in main(), where it skips what is left
-    of it (destroy_node() among them, so the DDS participant would not go before the exit). Once
-    rclpy is up, SIGINT raises only around the model stack's import, which nothing else cuts short.
+    rclpy's own handlers (turned off at rclpy.init) shut the ROS context down at once from a
+    thread of their own and chain to Python's, which raises KeyboardInterrupt wherever the main
+    thread happens to be: the teardown that followed logged through a dead context (rcl printed
+    "Failed to publish log message to rosout" for each line) or was cut short halfway, skipping
+    destroy_node(). Here a signal only sets `received`, which the spin loop reads every
+    SPIN_TIMEOUT_S. It raises KeyboardInterrupt only until rclpy is up and during the model
+    stack's import, which nothing else cuts short.
     """
 
     def __init__(self) -> None:
+        self.received: int | None = None
         self.raises = True
-        signal.signal(signal.SIGINT, self._on_sigint)  # before rclpy.init, which chains to it
+        for signum in EXIT_SIGNALS:
+            signal.signal(signum, self._on_signal)
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received = signum
         if self.raises:
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
-    def raising_during(self, context: Any) -> Iterator[None]:
+    def raising_during(self) -> Iterator[None]:
         self.raises = True
         try:
-            if not context.ok():  # the SIGINT came just before
+            if self.received is not None:  # the signal came just before
                 raise KeyboardInterrupt
             yield
         finally:
@@ -85,13 +80,15 @@ def main(args: list[str] | None = None) -> int:
         print(help_text(NODE_NAME))  # noqa: T201 - the console script's help text
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] [%(name)s]: %(message)s")
-    sigint = _Sigint()
+    signals = _Signals()
     try:
-        ros = rclpy.init(args=argv)
+        ros = rclpy.init(args=argv, signal_handler_options=SignalHandlerOptions.NO)
     except RuntimeError as exc:  # rclpy's UnknownROSArgsError: a mistyped ROS argument
         rclpy.logging.get_logger(NODE_NAME).fatal(f"bad arguments, not starting: {exc} (see {NODE_NAME} --help)")
         return 2
-    sigint.raises = False
+    except KeyboardInterrupt:  # a signal before ROS was up: nothing to tear down
+        return 0
+    signals.raises = False
     code, node = 0, None
     try:
         with ros:
@@ -101,23 +98,16 @@ def main(args: list[str] | None = None) -> int:
             executor = SingleThreadedExecutor(context=ros.context)
             try:
                 node = DriveNode(ros_args=_ros_args(argv))
-                with sigint.raising_during(ros.context):
+                with signals.raising_during():
                     node.start()
                 executor.add_node(node)
-                while ros.context.ok() and node.exit_code is None:
-                    executor.spin_once(timeout_sec=0.25)
+                while signals.received is None and node.exit_code is None:
+                    executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
             except (ParameterError, ParameterException) as exc:
                 rclpy.logging.get_logger(NODE_NAME).fatal(f"bad parameter, not starting: {exc}")
                 code = 2
-            except (KeyboardInterrupt, ExternalShutdownException):
+            except KeyboardInterrupt:  # a signal during the model stack's import
                 pass
-            except RuntimeError:
-                # A signal shut ROS down while it was in use: rclpy's take_message fails ("Unable
-                # to convert call argument"), or so does building the node. Not an error then.
-                # rclpy shuts the context down from its own signal thread, which can lag the
-                # failure it causes here by a moment: wait for it before calling this an error.
-                if not _goes_down(ros.context, SIGNAL_SHUTDOWN_WAIT_S):
-                    raise
             finally:
                 if node is not None:
                     node.close()
@@ -125,8 +115,6 @@ def main(args: list[str] | None = None) -> int:
                 executor.shutdown(timeout_sec=1.0)
                 if node is not None:
                     node.destroy_node()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
     finally:
         ros.context.destroy()  # the DDS participant and its shared-memory segments went with the node
     # ROS is shut down and nothing is left to clean up. The interpreter's own teardown would
