@@ -1,9 +1,9 @@
 """alpamayo_drive: cameras + odometry in; trajectories, reasoning and diagnostics out.
 
 The node only wires ROS to two ROS-free parts:
-- the PlanScheduler (alpamayo_ros/inputs/scheduler.py) buffers decoded inputs and decides each
+- the PlanScheduler (alpamayo_ros/drive/scheduler.py) buffers decoded inputs and decides each
   planning attempt (triggers, t0 bookkeeping, overruns, counters);
-- the InferenceWorker (worker.py) loads the planner, warms it up and runs one plan at a time in
+- the InferenceWorker (alpamayo_ros/drive/worker.py) loads the planner, warms it up and runs one plan at a time in
   its own thread, with an explicit state machine.
 One executor thread runs every callback (decode and buffer, the planning tick, diagnostics);
 no callback waits for inference. A tick that finds the worker busy is an overrun (latest-only,
@@ -34,10 +34,10 @@ from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header, String
 
 from alpamayo_ros.inputs import messages
-from alpamayo_ros.inputs.scheduler import PlanScheduler, Problem, TickOutcome
+from alpamayo_ros.drive.scheduler import PlanScheduler, Problem, TickOutcome
 from alpamayo_ros.ros import convert, qos
 from alpamayo_ros.ros.diagnostics import Outcomes, planner_status
-from alpamayo_ros.ros.gate import gate_plan
+from alpamayo_ros.drive.gate import gate_plan
 from alpamayo_ros.ros.outputs import PlanJob, PlanPublisher
 from alpamayo_ros.ros.params import (
     as_declared,
@@ -45,8 +45,8 @@ from alpamayo_ros.ros.params import (
     given_parameter_names,
     unknown_parameter_warnings,
 )
-from alpamayo_ros.ros.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
-from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
+from alpamayo_ros.drive.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
+from alpamayo_ros.drive.worker import InferenceWorker, WorkerState
 from alpamayo_ros.settings import (
     SPECS,
     CameraInput,

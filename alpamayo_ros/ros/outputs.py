@@ -17,7 +17,7 @@ from std_msgs.msg import Header, String
 from visualization_msgs.msg import MarkerArray
 
 from alpamayo_ros.core.types import WAYPOINT_DT_S, Plan, SamplingSettings
-from alpamayo_ros.inputs.scheduler import PlanRequest
+from alpamayo_ros.drive.scheduler import PlanRequest
 from alpamayo_ros.ros import convert
 from alpamayo_ros.settings import DriveSettings
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet

@@ -30,7 +30,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from alpamayo_ros.ros.convert import ns_to_stamp
-from alpamayo_ros.eval.processes import start_console_script, stop_process  # noqa: F401 - the tests' child processes
+from alpamayo_ros.rostools.processes import start_console_script, stop_process  # noqa: F401 - the tests' child processes
 from alpamayo_ros.settings import write_params_file  # noqa: F401 - the tests' params files
 
 VENV_BIN = Path(sys.executable).parent
