@@ -391,7 +391,8 @@ def reference_pipeline(params_file: Path, args: argparse.Namespace, t0s_ns: list
     """
     from bench.bench_pipeline import Workload, run_backend
 
-    from alpamayo_ros.eval.evaluate import drive_settings, load_pipeline
+    from alpamayo_ros.core.pipeline import Pipeline
+    from alpamayo_ros.eval.evaluate import drive_settings
 
     settings = drive_settings(params_file, {})
     sync = settings.frame_sync
@@ -404,7 +405,8 @@ def reference_pipeline(params_file: Path, args: argparse.Namespace, t0s_ns: list
         "timing the pipeline alone: %d plans after %d warm-up, %s windows (the node planned every %.0f ms)",
         args.reference_plans, args.warmup, "streamed" if stream else "fresh", plan_interval_ns / NS_PER_MS,
     )  # fmt: skip
-    pipeline = load_pipeline(settings)
+    pipeline = Pipeline.from_checkpoint(settings.checkpoint_path, backend=settings.backend, device=settings.device,
+                                        dtype=settings.dtype, backend_options=settings.backend_options)
     try:
         result = run_backend(pipeline, workload, args.reference_plans, args.warmup)
     finally:

@@ -1,10 +1,11 @@
 """The bag evaluator's library: offline, deterministic open-loop evaluation of rosbags (cli.py is `alpamayo-eval`).
 
 The bag is stepped at the planning rate on its own log time, as the drive node would see it
-replayed with /clock: every message logged up to a tick is fed to the node's input code
-(parameters, frame sync, ego history and builder are the node's own modules), then the
-planner runs and its plan is compared with the ego future recorded in the bag's odometry
-(6.4 s, in the t0 ego frame). Skipped ticks are counted by reason, never silently dropped.
+replayed with /clock: every message logged up to a tick is fed to the node's own drive loop
+(drive/loop.py: the same parameters, decoding, sensor checks, frame selection, ego history,
+route check, scheduler and output gate), then its plan is compared with the ego future
+recorded in the bag's odometry (6.4 s, in the t0 ego frame). Skipped ticks are counted by
+reason, never silently dropped.
 """
 
 from __future__ import annotations
@@ -13,35 +14,24 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import yaml
 from tqdm import tqdm
 
-from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.core.types import DrivingInput, Plan
+from alpamayo_ros.drive import messages
+from alpamayo_ros.drive.loop import MODEL_ERROR, DriveLoop, Skipped, skipped
+from alpamayo_ros.drive.planner import Planner, make_planner
 from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, IMAGE, ODOMETRY, STRING, bag_time_range, bag_topics, read_messages
 from alpamayo_ros.eval.ground_truth import FUTURE_DETAILS, OdometryTrack
 from alpamayo_ros.eval.metrics import PlanScore, score_plan
-from alpamayo_ros.inputs import Rejection
-from alpamayo_ros.inputs.builder import Assembly, build_driving_input
-from alpamayo_ros.inputs.ego_history import OdometryBuffer
-from alpamayo_ros.inputs.frame_sync import FrameSync
-from alpamayo_ros.inputs.route import RouteRejected, check_route
-from alpamayo_ros.inputs.messages import (ImageRejected, compressed_image_to_rgb, fit_image, odometry_pose,
-                                          raw_image_to_rgb, stamp_to_ns)
 from alpamayo_ros.settings import SPECS, DriveSettings, parse_settings
 
 logger = logging.getLogger(__name__)
 
 NS_PER_S = 1_000_000_000
-PLAN_FAILED = "plan_failed"  # the planner raised
-
-
-class Planner(Protocol):
-    """Anything that turns a DrivingInput into a Plan (the pipeline; a test double in tests)."""
-
-    def plan(self, driving_input: DrivingInput, settings: SamplingSettings) -> Plan: ...
 
 
 def load_params_file(path: str | Path) -> dict[str, Any]:
@@ -169,65 +159,36 @@ def _bag_messages(bag: Path, settings: DriveSettings) -> Iterator[tuple[int, str
         yield m.log_time_ns, m.topic, m.msg
 
 
-class InputFeed:
-    """The node's input path for one bag: decode, fit and buffer exactly as the callbacks do."""
+class BagFeed:
+    """A bag's messages into a drive loop, as the node's callbacks give them to its own loop: each
+    message at its log time (the node's clock under /clock replay), in log order."""
 
-    def __init__(self, settings: DriveSettings) -> None:
-        self.settings = settings
-        self.sync: FrameSync[np.ndarray] = FrameSync(settings.frame_sync)
-        self.odometry = OdometryBuffer(settings.ego_history)
-        self._cameras = {c.topic: c for c in settings.cameras}
-        self._route: tuple[str, int] | None = None  # (checked text, log time of arrival)
-        self.dropped: Counter = Counter()
-        self.refused_routes: Counter = Counter()
+    def __init__(self, loop: DriveLoop) -> None:
+        settings = loop.settings
+        self.loop = loop
+        self._cameras = {c.topic: c.index for c in settings.cameras}
+        self._odometry_topic, self._navigation_topic = settings.odometry_topic, settings.navigation_topic
 
     def add(self, log_ns: int, topic: str, msg: Any) -> None:
-        if topic == self.settings.odometry_topic:
-            self.odometry.add(*odometry_pose(msg))
-            return
-        if topic == self.settings.navigation_topic:
-            self._on_route(log_ns, msg.data)
-            return
-        camera = self._cameras[topic]
-        decode = raw_image_to_rgb if camera.transport == "raw" else compressed_image_to_rgb
-        try:
-            image = fit_image(decode(msg), self.settings.image_size)
-        except ImageRejected as exc:
-            self.dropped[exc.reason] += 1
-            return
-        self.sync.add(camera.index, stamp_to_ns(msg.header.stamp), image)
-
-    def _on_route(self, log_ns: int, text: str) -> None:
-        """The route check the node applies at arrival: a refused route is counted and dropped."""
-        try:
-            route = check_route(text, self.settings.navigation_max_chars)
-        except RouteRejected as exc:
-            logger.warning("navigation.topic: route refused at log time %d (%s); planning goes on without it", log_ns, exc)
-            self.refused_routes[exc.reason] += 1
-            route = None
-        self._route = (route, log_ns) if route else None
-
-    def route_at(self, now_ns: int) -> str | None:
-        """The route the node would plan with at now_ns (navigation.max_age_s freshness)."""
-        if self._route is None:
-            return None
-        text, arrived_ns = self._route
-        max_age_ns = self.settings.navigation_max_age_ns
-        return text if max_age_ns == 0 or now_ns - arrived_ns <= max_age_ns else None
-
-    def build(self, tick_ns: int, t0_ns: int | None = None) -> Assembly | Rejection:
-        """The input at tick_ns (the node clock); with t0_ns forced, camera staleness is not checked."""
-        return build_driving_input(self.sync, self.odometry, now_ns=tick_ns if t0_ns is None else None, t0_ns=t0_ns,
-                                   route_text=self.route_at(tick_ns))
+        if topic == self._odometry_topic:
+            self.loop.on_odometry(messages.odometry(msg), log_ns)
+        elif topic == self._navigation_topic:
+            refused = self.loop.on_route(messages.Route(msg.data), log_ns)
+            if refused is not None:
+                logger.warning("navigation.topic: route refused at log time %d (%s); planning goes on without it",
+                               log_ns, refused)
+        else:
+            self.loop.on_camera(messages.camera_frame(self._cameras[topic], msg), log_ns)
 
 
 def evaluate_bag(bag: str | Path, planner: Planner, settings: DriveSettings, *, max_ticks: int | None = None,
-                 t0s_ns: Sequence[int] | None = None, progress: bool = False,
+                 t0s_ns: Sequence[int] | None = None, ticks_ns: Sequence[int] | None = None, progress: bool = False,
                  on_tick: Callable[[int, int], None] | None = None) -> BagResult:
     """Step one bag at settings' planning rate and score every plan (see module docstring).
 
     t0s_ns: plan exactly at these times instead (e.g. the t0s the node planned for online):
         messages logged up to t0 plus the frame-matching slack are fed, and t0 is forced.
+    ticks_ns: tick at these log times instead of the planning rate's (the ticks a node made online).
     on_tick: called with (ticks done, ticks in this bag) after every tick (a worker's progress).
     """
     bag = Path(bag)
@@ -235,55 +196,66 @@ def evaluate_bag(bag: str | Path, planner: Planner, settings: DriveSettings, *, 
     if track.jumps:
         logger.warning("%s: odometry stamps jump back %d time(s); ground truth is taken within one timeline",
                        bag, track.jumps)
-    feed = InputFeed(settings)
     start_ns, end_ns = bag_time_range(bag)
-    if t0s_ns is None:
-        period_ns = int(round(settings.planning_period_s * NS_PER_S))
-        ticks = [start_ns + (k + 1) * period_ns for k in range((end_ns - start_ns) // period_ns)]
-        slack_ns = 0
-    else:
+    slack_ns = 0
+    if t0s_ns is not None:
         ticks = sorted(int(t) for t in t0s_ns)
         sync = settings.frame_sync
         slack_ns = sync.max_skew_ns + sync.max_frame_error_ns + settings.ego_history.max_stale_ns
+    elif ticks_ns is not None:
+        ticks = [int(t) for t in ticks_ns]
+    else:
+        period_ns = int(round(settings.planning_period_s * NS_PER_S))
+        ticks = [start_ns + (k + 1) * period_ns for k in range((end_ns - start_ns) // period_ns)]
     if max_ticks is not None:
         ticks = ticks[:max_ticks]
-    messages = _bag_messages(bag, settings)
-    pending = next(messages, None)
+    loop = DriveLoop(settings, planner)
+    loop.ready(start_ns)
+    feed = BagFeed(loop)
+    messages_in_bag = _bag_messages(bag, settings)
+    pending = next(messages_in_bag, None)
     result = BagResult(bag=bag, start_ns=start_ns, timeline_jumps=track.jumps)
     for tick in tqdm(ticks, desc=bag.name, unit="tick", disable=not progress):
         while pending is not None and pending[0] <= tick + slack_ns:  # everything that had arrived
             feed.add(*pending)
-            pending = next(messages, None)
+            pending = next(messages_in_bag, None)
         forced_t0 = None if t0s_ns is None else tick
-        result.ticks.append(_tick(tick, feed, track, planner, settings, forced_t0))
+        result.ticks.append(_tick(tick, loop, track, settings, forced_t0))
         if on_tick is not None:
             on_tick(len(result.ticks), len(ticks))
-    result.dropped_images = dict(feed.dropped)
-    result.refused_routes = dict(feed.refused_routes)
+    dropped = loop.counters.dropped
+    result.dropped_images = {r: n for r, n in dropped.items() if not r.startswith(("route", "odometry"))}
+    result.refused_routes = {r: n for r, n in dropped.items() if r.startswith("route")}
     return result
 
 
-def _tick(tick: int, feed: InputFeed, track: OdometryTrack, planner: Planner, settings: DriveSettings,
-          forced_t0: int | None) -> TickResult:
-    built = feed.build(tick, forced_t0)
-    if isinstance(built, Rejection):
-        return TickResult(tick, skip_reason=built.reason.value, skip_detail=built.detail)
-    t0 = built.driving_input.t0_ns
-    future = track.future(built, tick, settings.ego_history.max_gap_ns)
-    if isinstance(future, str):
-        return TickResult(tick, t0, skip_reason=future, skip_detail=FUTURE_DETAILS[future])
+def _tick(tick: int, loop: DriveLoop, track: OdometryTrack, settings: DriveSettings, forced_t0: int | None) -> TickResult:
+    """The loop's tick, with the ground truth checked before the planner runs: a tick whose
+    recorded future is missing is skipped for that reason (there is nothing to score it by)."""
+    started = loop.tick(tick, forced_t0)
+    if started.request is None:
+        skip = skipped(tick, started)
+        return TickResult(tick, skip_reason=skip.reason, skip_detail=skip.detail)
     try:
-        plan = planner.plan(built.driving_input, settings.sampling)
-    except Exception as exc:  # a failing plan is a result to report, as the node reports it
-        logger.exception("planner failed at t0 %d", t0)
-        return TickResult(tick, t0, skip_reason=PLAN_FAILED, skip_detail=f"{type(exc).__name__}: {exc}")
-    return TickResult(tick, t0, score=score_plan(plan.xyz, future), plan=plan, true_xyz=future,
+        built = started.request.assembly
+        t0 = built.driving_input.t0_ns
+        future = track.future(built, tick, settings.ego_history.max_gap_ns)
+        if isinstance(future, str):
+            return TickResult(tick, t0, skip_reason=future, skip_detail=FUTURE_DETAILS[future])
+        try:
+            outcome = loop.run(started.request)
+        except Exception as exc:  # a failing plan is a result to report, as the node reports it
+            logger.exception("planner failed at t0 %d", t0)
+            loop.count_error()
+            return TickResult(tick, t0, skip_reason=MODEL_ERROR, skip_detail=f"{type(exc).__name__}: {exc}")
+    finally:
+        loop.idle(tick)
+    if isinstance(outcome, Skipped):
+        return TickResult(tick, t0, skip_reason=outcome.reason, skip_detail=outcome.detail)
+    return TickResult(tick, t0, score=score_plan(outcome.plan.xyz, future), plan=outcome.plan, true_xyz=future,
                       inputs=built.driving_input)
 
 
 def load_pipeline(settings: DriveSettings) -> Planner:
-    """The model pipeline of the node's settings (torch is imported only here)."""
-    from alpamayo_ros.core.pipeline import Pipeline
-
-    return Pipeline.from_checkpoint(settings.checkpoint_path, backend=settings.backend, device=settings.device,
-                                    dtype=settings.dtype, backend_options=settings.backend_options)
+    """The node's planner for these settings (the model loads here; torch is imported only here)."""
+    return make_planner(settings)
