@@ -1,4 +1,7 @@
-"""Node-level latency (issue 7): camera messages in -> nav_msgs/Path out, in separate processes.
+"""Node-level latency: camera messages in -> nav_msgs/Path out, in separate processes.
+
+Over 400 lines: one benchmark program (its three processes, the measures and their report) that
+a user runs as a whole; its parts are used nowhere else.
 
 bench_pipeline.py times `Pipeline.plan()` alone; this harness shows what the ROS node adds on top.
 Three processes, all on wall-clock time (no sim time; one host, so one clock):

@@ -177,6 +177,8 @@ class DriveLoop:
     def step(self, now_ns: int, t0_ns: int | None = None) -> Outcome:
         """tick + run, synchronously: what the evaluator and simulator drivers call each period.
         A planner error is a Skipped model_error here (logged), not an exception."""
+        if self.planner is None:
+            raise ValueError("planner: step() plans with the loop's planner, and the loop was made without one")
         result = self.tick(now_ns, t0_ns)
         if result.request is None:
             return skipped(now_ns, result)
