@@ -15,7 +15,7 @@ from pathlib import Path
 from diagnostic_msgs.msg import DiagnosticArray
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

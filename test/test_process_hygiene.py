@@ -1,6 +1,6 @@
 """ROS child processes end cleanly on SIGINT and leave no shared-memory segments behind.
 
-The suite ends every node this way (alpamayo_ros.eval.processes.stop_process); this proves the mechanism:
+The suite ends every node this way (alpamayo_ros.rostools.processes.stop_process); this proves the mechanism:
 two processes that really exchanged data over Fast DDS (shared-memory transport included) exit 0
 and /dev/shm keeps none of the Fast DDS files they used. The drive node's own Ctrl-C is quiet too:
 it logs its shutdown while ROS is still up, so rcl never reports a log line it could not publish.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.serve.process import free_port  # the remote backend's server: down
+from alpamayo_ros.testing.rig import (
     ros_env,
     start_console_script,
     start_python,
@@ -27,7 +28,6 @@ from alpamayo_ros.ros.testing import (
     wait_until,
     write_params_file,
 )
-from alpamayo_ros.serve.process import free_port  # the remote backend's server: down
 
 FASTDDS_SHM_PREFIXES = ("fastdds_", "fastrtps_", "fast_datasharing_", "sem.fastdds_", "sem.fastrtps_")
 CLEANUP_TIMEOUT_S = 60.0  # a hang guard: a loaded machine may take long to end a peer still using a port
