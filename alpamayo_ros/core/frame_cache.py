@@ -36,9 +36,10 @@ def frame_key(camera: int, stamp_ns: int, image: np.ndarray) -> str:
 
 
 def frame_keys(inputs: DrivingInput) -> list[str]:
-    """frame_key of every frame of inputs, camera-major then oldest first."""
+    """frame_key of every frame of inputs, camera-major then oldest first, under its frame_source."""
+    prefix = f"{inputs.frame_source}/" if inputs.frame_source else ""
     return [
-        frame_key(camera, int(stamp), image)
+        prefix + frame_key(camera, int(stamp), image)
         for camera, stamps, row in zip(inputs.camera_indices, inputs.frame_stamps_ns, inputs.images)
         for stamp, image in zip(stamps, row)
     ]

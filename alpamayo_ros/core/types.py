@@ -42,6 +42,9 @@ class DrivingInput:
         the last row is the origin.
     ego_history_rot: float32 (16, 3, 3), rotations in the t0 ego frame; last is identity.
     route_text: navigation instruction ("Turn right in 30m") or None.
+    frame_source: names the stream the frames come from when several share one pipeline (a
+        simulator's sessions): its frames never share cache keys with another source's, even at
+        equal camera, stamp and sampled pixels. Empty: one stream.
     """
 
     images: np.ndarray
@@ -51,6 +54,7 @@ class DrivingInput:
     ego_history_xyz: np.ndarray
     ego_history_rot: np.ndarray
     route_text: str | None = None
+    frame_source: str = ""
 
     def __post_init__(self) -> None:
         if self.images.dtype != np.uint8 or self.images.ndim != 5 or self.images.shape[-1] != 3:

@@ -58,10 +58,14 @@ class SessionLoop:
     """Inputs of one session in, one outcome per step out. Not thread-safe: the caller holds a lock.
 
     planner_lock: held around every plan, so sessions share one model one plan at a time.
+    source: the session's name on its inputs (DrivingInput.frame_source): two sessions of one
+        scene see equal stamps and near-equal frames, which must never share the model's caches.
     """
 
-    def __init__(self, settings: DriveSettings, planner: Planner, planner_lock: threading.Lock, seed: int) -> None:
+    def __init__(self, settings: DriveSettings, planner: Planner, planner_lock: threading.Lock, *, seed: int,
+                 source: str) -> None:  # fmt: skip
         self.settings = settings
+        self.source = source
         self._planner = planner
         self._planner_lock = planner_lock
         self._seed = seed
@@ -98,11 +102,12 @@ class SessionLoop:
                 return Skipped(result.outcome.value, "no frames newer than the last plan")
             return Skipped(problem.reason, problem.detail)
         request = result.request
+        driving_input = replace(request.assembly.driving_input, frame_source=self.source)
         sampling = self.sampling()
         started = time.perf_counter()
         try:
             with self._planner_lock:
-                plan = self._planner.plan(request.assembly.driving_input, sampling)
+                plan = self._planner.plan(driving_input, sampling)
         except PlanUnavailable as error:
             self._scheduler.counters.rejected[error.reason] += 1
             return Skipped(error.reason, error.detail)
@@ -120,6 +125,6 @@ class SessionLoop:
             self._scheduler.counters.rejected[refused[0]] += 1
             return Skipped(*refused)
         ego = request.assembly.ego
-        return Planned(plan=plan, driving_input=request.assembly.driving_input, xyz_t0=ego.xyz_t0,
+        return Planned(plan=plan, driving_input=driving_input, xyz_t0=ego.xyz_t0,
                        rot_t0=ego.rot_t0, frame_id=request.frame_id, seed=sampling.seed,
                        assemble_ms=request.assemble_ms, plan_ms=plan_ms)  # fmt: skip

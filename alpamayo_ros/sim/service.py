@@ -60,7 +60,8 @@ class EgodriverService(EgodriverServiceServicer):
                 raise FieldError("rollout_spec.vehicle.available_cameras",
                                  f"the model's cameras {missing} are not declared (declared: {sorted(declared)})",
                                  grpc.StatusCode.FAILED_PRECONDITION)  # fmt: skip
-            loop = SessionLoop(self.settings, self._planner, self._planner_lock, seed=int(request.random_seed))
+            loop = SessionLoop(self.settings, self._planner, self._planner_lock, seed=int(request.random_seed),
+                               source=request.session_uuid)
             session = Session(request.session_uuid, loop, self.camera_map, self.settings.model_id)
             with self._sessions_lock:
                 if request.session_uuid in self._sessions:
