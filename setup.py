@@ -26,10 +26,10 @@ setup(
     entry_points={
         "console_scripts": [
             "alpamayo_drive = alpamayo_ros.ros.process:main",
-            "alpamayo-eval = alpamayo_ros.eval.evaluate:main",
-            "alpamayo-replay = alpamayo_ros.eval.replay:main",
-            "alpamayo-record = alpamayo_ros.eval.record:main",
-            "alpamayo-demo = alpamayo_ros.eval.demo:main",
+            "alpamayo-eval = alpamayo_ros.eval.cli:main",
+            "alpamayo-replay = alpamayo_ros.rostools.replay:main",
+            "alpamayo-record = alpamayo_ros.rostools.record:main",
+            "alpamayo-demo = alpamayo_ros.rostools.demo:main",
             "alpamayo-convert-pai = alpamayo_ros.eval.physical_ai_av:main",
             "alpamayo-make-checkpoint = alpamayo_ros.core.tiny_checkpoint:main",
             "alpamayo-serve = alpamayo_ros.serve.cli:main",

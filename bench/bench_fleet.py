@@ -10,8 +10,8 @@ GPU (issue 15, on the H200): one worker holding one GPU, the full-size random ch
 W16's four cameras as 1080x1920 JPEG at 10 Hz, planned at 10 Hz; --single runs the single-process
 evaluator on the same bags for comparison.
 
-    python bench/bench_fleet.py [--bags 6] [--ticks 8] [--workers 1 2]
-    python bench/bench_fleet.py --full-size-dir /tmp/ckpt --backend vllm --device cuda --gpus-per-worker 1 \
+    python -m bench.bench_fleet [--bags 6] [--ticks 8] [--workers 1 2]
+    python -m bench.bench_fleet --full-size-dir /tmp/ckpt --backend vllm --device cuda --gpus-per-worker 1 \
         --workers 1 --cameras 0 1 2 6 --image-size 1920x1080 --duration-s 16 --ticks 0 --rate-hz 10 \
         --max-reasoning-tokens 40 --bags 2 --single --json-dir $OUT
 """
@@ -33,12 +33,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "test"))  # the bag writer of the evaluator tests: one synthetic drive, not two
-
-from test_evaluate import CAM_INDICES, CAM_TOPICS, write_circle_bag  # noqa: E402
-
-from alpamayo_ros.core.tiny_checkpoint import SHARD_INDEX_FILE, write_checkpoint  # noqa: E402
+from alpamayo_ros.core.tiny_checkpoint import SHARD_INDEX_FILE, write_checkpoint
+from alpamayo_ros.testing.circle_drive import CAM_INDICES, CAM_TOPICS, write_circle_bag  # the evaluator tests' drive
 
 FRAME_POOL = 6  # distinct images per camera, cycled: more than a plan's 4-frame window
 NOISE_STD = 4.0  # sensor-like noise: a full-HD frame becomes a ~400 KB JPEG, as a camera's (flat: ~60 KB)
@@ -87,7 +83,7 @@ def evaluate(bags: list[Path], params: Path, out: Path, args: argparse.Namespace
 
     With --json-dir, its log and report.json are copied there (the report's plots stay behind:
     the device tool brings back 8 files at most)."""
-    command = [sys.executable, "-m", "alpamayo_ros.eval.evaluate", *map(str, bags), "--params-file", str(params),
+    command = [sys.executable, "-m", "alpamayo_ros.eval.cli", *map(str, bags), "--params-file", str(params),
                "--out", str(out), "--no-progress"]
     if args.ticks:
         command += ["--max-ticks", str(args.ticks)]

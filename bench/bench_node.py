@@ -1,9 +1,12 @@
-"""Node-level latency (issue 7): camera messages in -> nav_msgs/Path out, in separate processes.
+"""Node-level latency: camera messages in -> nav_msgs/Path out, in separate processes.
+
+Over 400 lines: one benchmark program (its three processes, the measures and their report) that
+a user runs as a whole; its parts are used nowhere else.
 
 bench_pipeline.py times `Pipeline.plan()` alone; this harness shows what the ROS node adds on top.
 Three processes, all on wall-clock time (no sim time; one host, so one clock):
   * the drive node, started from its console script with a params file (as the tests and demo do);
-  * a publisher: the tests' SensorRig (alpamayo_ros.ros.testing; 10 Hz cameras, 50 Hz odometry)
+  * a publisher: the tests' SensorRig (alpamayo_ros.testing.rig; 10 Hz cameras, 50 Hz odometry)
     sending one pre-built frame per camera per tick (rendered by the demo's scene code), all
     cameras with the same stamp;
   * this process, which listens to the node's Path and StageTimings (`~/output/timings`).
@@ -31,8 +34,8 @@ pipeline alone on the same workload (after the node has exited) for that compari
 greedy by default, as in bench_pipeline.py; --temperature 0.6 is the node's own default, which adds
 top-p over the whole vocabulary to every reasoning token (~15 ms a token on this CPU).
 
-    .venv/bin/python bench/bench_node.py --transport compressed --plans 20          # tiny model, CPU
-    .venv/bin/python bench/bench_node.py --checkpoint /models/Alpamayo-1.5-10B --backend vllm \\
+    .venv/bin/python -m bench.bench_node --transport compressed --plans 20          # tiny model, CPU
+    .venv/bin/python -m bench.bench_node --checkpoint /models/Alpamayo-1.5-10B --backend vllm \\
         --device cuda --transport raw --plans 200 --json out/bench_node_raw.json
 """
 
@@ -54,12 +57,9 @@ import cv2
 import numpy as np
 import yaml
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))  # bench_pipeline
-
-from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
-from nav_msgs.msg import Path as PathMsg  # noqa: E402
-from alpamayo_ros.ros.testing import (  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticArray
+from nav_msgs.msg import Path as PathMsg
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     Collector,
     RosSide,
@@ -73,14 +73,14 @@ from alpamayo_ros.ros.testing import (  # noqa: E402
     wait_until,
     write_params_file,
 )
-from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
+from sensor_msgs.msg import CompressedImage, Image
 
-from alpamayo_ros.core.types import CAMERAS  # noqa: E402
-from alpamayo_ros.eval.scene import PinholeCamera, Renderer, Road, Vehicle, default_rig  # noqa: E402
-from alpamayo_ros.inputs.messages import stamp_to_ns  # noqa: E402
-from alpamayo_ros.ros.convert import ns_to_stamp  # noqa: E402
-from alpamayo_ros.settings import SPECS  # noqa: E402
-from alpamayo_ros_msgs.msg import Reasoning, StageTimings  # noqa: E402
+from alpamayo_ros.core.types import CAMERAS
+from alpamayo_ros.eval.scene import PinholeCamera, Renderer, Road, Vehicle, default_rig
+from alpamayo_ros.inputs.messages import stamp_to_ns
+from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.settings import SPECS
+from alpamayo_ros_msgs.msg import Reasoning, StageTimings
 
 logger = logging.getLogger("bench_node")
 
@@ -371,7 +371,7 @@ def plan_records(
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """p50/p90/p99 of every measure and every pipeline stage."""
-    from bench_pipeline import percentiles  # the pipeline bench's percentiles (it imports torch: not in the publisher)
+    from bench.bench_pipeline import percentiles  # the pipeline bench's percentiles (it imports torch: not in the publisher)
 
     summary = {key: percentiles([r[key] for r in records]) for key, _ in MEASURES}
     stage_names = dict.fromkeys(name for r in records for name in r["stages_ms"])
@@ -392,9 +392,10 @@ def reference_pipeline(params_file: Path, args: argparse.Namespace, t0s_ns: list
     than half of their frames, the reference plans fresh windows; otherwise windows moved on by
     one frame (bench_pipeline's stream).
     """
-    from bench_pipeline import Workload, run_backend
+    from bench.bench_pipeline import Workload, run_backend
 
-    from alpamayo_ros.eval.evaluate import drive_settings, load_pipeline
+    from alpamayo_ros.core.pipeline import Pipeline
+    from alpamayo_ros.eval.evaluate import drive_settings
 
     settings = drive_settings(params_file, {})
     sync = settings.frame_sync
@@ -407,7 +408,8 @@ def reference_pipeline(params_file: Path, args: argparse.Namespace, t0s_ns: list
         "timing the pipeline alone: %d plans after %d warm-up, %s windows (the node planned every %.0f ms)",
         args.reference_plans, args.warmup, "streamed" if stream else "fresh", plan_interval_ns / NS_PER_MS,
     )  # fmt: skip
-    pipeline = load_pipeline(settings)
+    pipeline = Pipeline.from_checkpoint(settings.checkpoint_path, backend=settings.backend, device=settings.device,
+                                        dtype=settings.dtype, backend_options=settings.backend_options)
     try:
         result = run_backend(pipeline, workload, args.reference_plans, args.warmup)
     finally:
@@ -452,7 +454,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("node ready after %.1f s; starting the publisher", time.monotonic() - started)
         def start_publisher() -> Any:
             return start_python(
-                f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import bench_node; "
+                f"import sys; from bench import bench_node; "
                 f"sys.exit(bench_node.run_publisher(bench_node.Path({str(publisher_config)!r})))",
                 env=env, log_path=out / "publisher.log",
             )  # fmt: skip

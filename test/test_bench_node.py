@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from alpamayo_ros.ros.testing import ros_env, unique_domain_id
+from alpamayo_ros.testing.rig import ros_env, unique_domain_id
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = 3
@@ -32,7 +32,7 @@ def run_bench(command: list[str], env: dict[str, str], out: Path) -> subprocess.
     The bench's own waits are bounded (ready 300 s, 60 s between plans); past HANG_S it is stopped
     with SIGINT, so it stops its node and publisher too.
     """
-    bench = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bench = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = bench.communicate(timeout=HANG_S)
     except subprocess.TimeoutExpired:
@@ -53,7 +53,7 @@ def test_bench_node_reports_finite_latencies(tmp_path: Path, tiny_checkpoint: Pa
     domain_id = unique_domain_id()
     report_path = tmp_path / "report.json"
     command = [
-        sys.executable, str(ROOT / "bench" / "bench_node.py"), "--checkpoint", str(tiny_checkpoint),
+        sys.executable, "-m", "bench.bench_node", "--checkpoint", str(tiny_checkpoint),
         "--transport", transport, "--height", "270", "--width", "480", "--plans", str(PLANS), "--warmup", "1",
         "--max-reasoning-tokens", "8", "--domain-id", str(domain_id), "--out", str(tmp_path / "run"),
         "--json", str(report_path),

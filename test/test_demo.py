@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from alpamayo_ros.ros.testing import VENV_BIN, ros_env, unique_domain_id
+from alpamayo_ros.testing.rig import VENV_BIN, ros_env, unique_domain_id
 
 from alpamayo_ros.eval.bags import bag_topics, read_messages
 from alpamayo_ros.eval.scene import ASPHALT, SKY, Renderer, Road, Vehicle, default_rig

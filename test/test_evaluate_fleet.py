@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_evaluate import CAM_INDICES, CAM_TOPICS, write_circle_bag
+
+from alpamayo_ros.testing.circle_drive import CAM_INDICES, CAM_TOPICS, write_circle_bag
 
 TICKS = 5  # 0.5 ... 2.5 s at 2 Hz: the ticks from 2.0 s on have 1.5 s of history, so 2 plans per bag
 PLANS_PER_BAG = 2
@@ -55,7 +56,7 @@ def params_file(tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 def eval_command(bags: list[Path], params_file: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "alpamayo_ros.eval.evaluate", *map(str, bags), "--params-file", str(params_file),
+    return [sys.executable, "-m", "alpamayo_ros.eval.cli", *map(str, bags), "--params-file", str(params_file),
             "--out", str(out), "--max-ticks", str(TICKS), "--no-progress", *extra]
 
 

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from alpamayo_ros.ros.testing import RosSide, ros_env, start_python, stop_process, unique_domain_id, wait_until
+from alpamayo_ros.testing.rig import RosSide, ros_env, start_python, stop_process, unique_domain_id, wait_until
 
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, Trajectory, TrajectorySet
 

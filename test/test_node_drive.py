@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Path as PathMsg
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

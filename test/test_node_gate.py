@@ -1,4 +1,4 @@
-"""The output gate (alpamayo_ros/ros/gate.py) on plans the model produced (issue 12 acceptance 4).
+"""The output gate (alpamayo_ros/drive/gate.py) on plans the model produced (issue 12 acceptance 4).
 
 Bad plans come from real checkpoints whose action head was edited the way a broken model
 would behave: scaled up (actions far outside the action space's bounds), NaN bias, or a
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import DrivingInput, SamplingSettings
-from alpamayo_ros.ros.gate import gate_plan
+from alpamayo_ros.drive.gate import gate_plan
 
 SAMPLING = SamplingSettings(num_samples=2, max_reasoning_tokens=4, flow_steps=4)
 MAX_LATERAL = 12.0  # gates.max_lateral_accel_mps2 default
@@ -92,7 +92,7 @@ def test_the_node_drops_the_bad_plans_of_a_broken_model(tiny_checkpoint: Path, t
     from diagnostic_msgs.msg import DiagnosticArray
     from nav_msgs.msg import Path as PathMsg
 
-    from alpamayo_ros.ros.testing import (
+    from alpamayo_ros.testing.rig import (
         CameraFeed, RosSide, SensorRig, diag_values, log_excerpt, ros_env, start_console_script, stop_process, unique_domain_id,
         wait_until, write_params_file,
     )  # fmt: skip

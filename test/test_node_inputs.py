@@ -19,7 +19,7 @@ from nav_msgs.msg import Path as PathMsg
 from rclpy.parameter import Parameter
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

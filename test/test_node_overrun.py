@@ -11,7 +11,7 @@ import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from nav_msgs.msg import Path as PathMsg
 from rclpy.parameter import Parameter
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     RosSide,
     ros_env,
     start_console_script,

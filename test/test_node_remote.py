@@ -24,7 +24,7 @@ from nav_msgs.msg import Path as PathMsg
 from serve_helpers import hf_server, plan_segments, small_frames_checkpoint
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     Collector,
     RosSide,

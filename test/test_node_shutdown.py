@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from nav_msgs.msg import Path as PathMsg
 
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

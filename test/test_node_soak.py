@@ -30,7 +30,7 @@ import pytest
 from nav_msgs.msg import Path as PathMsg
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

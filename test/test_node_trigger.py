@@ -10,7 +10,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Path as PathMsg
 
 from alpamayo_ros.inputs.messages import stamp_to_ns
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

@@ -16,7 +16,7 @@ import pytest
 
 from alpamayo_ros.eval.bags import bag_topics, decode_image, read_messages
 from alpamayo_ros.eval.evaluate import load_params_file
-from alpamayo_ros.eval.evaluate import main as eval_main
+from alpamayo_ros.eval.cli import main as eval_main
 from alpamayo_ros.eval.physical_ai_av import convert_clip, main
 from alpamayo_ros.inputs.messages import stamp_to_ns
 

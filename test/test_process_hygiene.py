@@ -1,13 +1,13 @@
 """ROS child processes end cleanly on SIGINT and leave no shared-memory segments behind.
 
-The suite ends every node this way (alpamayo_ros.eval.processes.stop_process); this proves the mechanism:
+The suite ends every node this way (alpamayo_ros.rostools.processes.stop_process); this proves the mechanism:
 two processes that really exchanged data over Fast DDS (shared-memory transport included) exit 0
 and /dev/shm holds no new Fast DDS segment afterwards.
 """
 
 from pathlib import Path
 
-from alpamayo_ros.ros.testing import ros_env, start_python, stop_process, unique_domain_id, wait_until
+from alpamayo_ros.testing.rig import ros_env, start_python, stop_process, unique_domain_id, wait_until
 
 FASTDDS_SHM_PREFIXES = ("fastdds_", "fastrtps_", "fast_datasharing_", "sem.fastdds_", "sem.fastrtps_")
 

@@ -10,7 +10,7 @@ import pytest
 from rclpy.parameter import Parameter
 from safetensors.torch import load_file, save_file
 
-from alpamayo_ros.ros.testing import (
+from alpamayo_ros.testing.rig import (
     CameraFeed,
     RosSide,
     SensorRig,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mcap.reader import make_reader
 from mcap_ros2.decoder import DecoderFactory
-from alpamayo_ros.ros.testing import VENV_BIN, ros_env, stop_process, unique_domain_id
+from alpamayo_ros.testing.rig import VENV_BIN, ros_env, stop_process, unique_domain_id
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics, decode_image, read_messages, register_msgtype
 from alpamayo_ros.inputs.messages import stamp_to_ns

@@ -1,4 +1,4 @@
-"""PlanScheduler (alpamayo_ros/inputs/scheduler.py) without ROS and without timing: stamps and
+"""PlanScheduler (alpamayo_ros/drive/scheduler.py) without ROS and without timing: stamps and
 the node clock are fed by hand, so every counter and rule is exact."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alpamayo_ros.inputs.scheduler import PlanRequest, PlanScheduler, Problem, TickOutcome
+from alpamayo_ros.drive.scheduler import PlanRequest, PlanScheduler, Problem, TickOutcome
 from alpamayo_ros.settings import SPECS, parse_settings
 
 MS = 1_000_000

@@ -1,4 +1,4 @@
-"""InferenceWorker's state machine (alpamayo_ros/ros/worker.py) on the real planner and tiny checkpoint:
+"""InferenceWorker's state machine (alpamayo_ros/drive/worker.py) on the real planner and tiny checkpoint:
 the states it passes, a failed load, a worker that dies inside error reporting (must read as
 failed, never ready), and a cooperative stop in the middle of a long warm-up plan."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from alpamayo_ros.core.types import SamplingSettings
-from alpamayo_ros.ros.planner import make_planner
-from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
+from alpamayo_ros.drive.planner import make_planner
+from alpamayo_ros.drive.worker import InferenceWorker, WorkerState
 from alpamayo_ros.settings import SPECS, parse_settings
 
 HANG_GUARD_S = 300.0

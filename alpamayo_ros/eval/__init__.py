@@ -1,1 +1,2 @@
-"""Bag evaluation (minADE/FDE), replay and record, PhysicalAI-AV conversion and the closed-loop demo."""
+"""The bag evaluator (minADE/FDE): its library (evaluate, jobs, fleet, report), its command line
+(cli.py) and the PhysicalAI-AV conversion. ROS-free: bags are read with rosbags, not rclpy."""

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from alpamayo_ros.core.types import CAMERAS
-from alpamayo_ros.eval.evaluate import BagResult, Planner, check_bag, evaluate_bag
+from alpamayo_ros.drive.planner import Planner
+from alpamayo_ros.eval.evaluate import BagResult, check_bag, evaluate_bag
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.physical_ai_av import ClipFiles, convert_clip
 from alpamayo_ros.settings import DriveSettings

@@ -8,8 +8,8 @@ from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 
-from alpamayo_ros.inputs.scheduler import PlanScheduler, TickOutcome
-from alpamayo_ros.ros.worker import WorkerState
+from alpamayo_ros.drive.scheduler import PlanScheduler, TickOutcome
+from alpamayo_ros.drive.worker import WorkerState
 from alpamayo_ros.settings import DriveSettings
 
 NS_PER_MS = 1_000_000

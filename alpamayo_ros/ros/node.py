@@ -1,10 +1,11 @@
 """alpamayo_drive: cameras + odometry in; trajectories, reasoning and diagnostics out.
 
 The node only wires ROS to two ROS-free parts:
-- the PlanScheduler (alpamayo_ros/inputs/scheduler.py) buffers decoded inputs and decides each
-  planning attempt (triggers, t0 bookkeeping, overruns, counters);
-- the InferenceWorker (worker.py) loads the planner, warms it up and runs one plan at a time in
-  its own thread, with an explicit state machine.
+- the DriveLoop (alpamayo_ros/drive/loop.py) takes the messages, turned into plain ones, and
+  decides each planning attempt (decoding, frame selection, ego history, route check, triggers,
+  t0 bookkeeping, overruns, the output gate, counters), as the bag evaluator does with it;
+- the InferenceWorker (alpamayo_ros/drive/worker.py) loads the planner, warms it up and runs
+  one of the loop's requests at a time in its own thread, with an explicit state machine.
 One executor thread runs every callback (decode and buffer, the planning tick, diagnostics);
 no callback waits for inference. A tick that finds the worker busy is an overrun (latest-only,
 no backlog). Every refused input, failure and state is reported in diagnostics, and no callback
@@ -19,7 +20,6 @@ exits without running its interpreter teardown (process.py: the console script a
 
 from __future__ import annotations
 
-import threading
 from functools import partial
 from typing import Any, Callable
 
@@ -33,11 +33,13 @@ from rclpy.subscription import Subscription
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header, String
 
-from alpamayo_ros.inputs import messages
-from alpamayo_ros.inputs.scheduler import PlanScheduler, Problem, TickOutcome
+from alpamayo_ros.drive import messages
+from alpamayo_ros.drive.loop import MODEL_ERROR, DriveLoop, Skipped, skipped
+from alpamayo_ros.drive.planner import Planner, import_model_stack, make_planner, warmup_input
+from alpamayo_ros.drive.scheduler import Dropped, Problem, TickOutcome
+from alpamayo_ros.drive.worker import InferenceWorker, WorkerState
 from alpamayo_ros.ros import convert, qos
 from alpamayo_ros.ros.diagnostics import Outcomes, planner_status
-from alpamayo_ros.ros.gate import gate_plan
 from alpamayo_ros.ros.outputs import PlanJob, PlanPublisher
 from alpamayo_ros.ros.params import (
     as_declared,
@@ -45,8 +47,6 @@ from alpamayo_ros.ros.params import (
     given_parameter_names,
     unknown_parameter_warnings,
 )
-from alpamayo_ros.ros.planner import Planner, PlanUnavailable, import_model_stack, make_planner, warmup_input
-from alpamayo_ros.ros.worker import InferenceWorker, WorkerState
 from alpamayo_ros.settings import (
     SPECS,
     CameraInput,
@@ -77,8 +77,8 @@ class DriveNode(Node):
         self._values = declare_parameters(self)
         self.settings = settings = parse_settings(self._values)  # ParameterError names the parameter at fault
         self.exit_code: int | None = None  # set when the node must end on its own (failed load)
-        self._lock = threading.Lock()
-        self._scheduler = PlanScheduler(settings)
+        self._loop = DriveLoop(settings)
+        self._lock = self._loop.lock  # one lock for the loop and the node's outcomes
         self._outcomes = Outcomes()
         self._sampling = settings.sampling
         self._selection = settings.selection
@@ -143,33 +143,24 @@ class DriveNode(Node):
             self.get_logger().error(f"{callback.__name__} failed: {exc!r}", throttle_duration_sec=LOG_THROTTLE_S)
 
     def _on_image(self, camera: CameraInput, msg: Image | CompressedImage) -> None:
-        now_ns = self._now_ns()
-        try:
-            rgb = messages.raw_image_to_rgb(msg) if camera.transport == "raw" else messages.compressed_image_to_rgb(msg)
-            rgb = messages.fit_image(rgb, self.settings.image_size)
-        except messages.ImageRejected as exc:
+        outcome = self._loop.on_camera(messages.camera_frame(camera.index, msg), self._now_ns())
+        if isinstance(outcome, Dropped):
+            self.get_logger().warning(f"dropped frame: {outcome}", throttle_duration_sec=LOG_THROTTLE_S)
+        elif outcome is not None:  # planning.trigger frames: a complete set started a plan, or could not
             with self._lock:
-                self._scheduler.camera_fault(camera.index, exc.reason, exc.detail)
-            self.get_logger().warning(
-                f"camera {camera.index} ({camera.topic}): dropped frame: {exc}", throttle_duration_sec=LOG_THROTTLE_S
-            )
-            return
-        with self._lock:
-            started = self._scheduler.add_frame(camera.index, messages.stamp_to_ns(msg.header.stamp), rgb, now_ns)
-        self._dispatch(started)
+                received = dict(self._loop.received)
+            self._dispatch(outcome, received)
 
     def _on_odometry(self, msg: Odometry) -> None:
-        stamp_ns, xyz, quat = messages.odometry_pose(msg)
-        with self._lock:
-            problem = self._scheduler.add_odometry(stamp_ns, xyz, quat, msg.header.frame_id, self._now_ns())
+        odometry = messages.odometry(msg)
+        problem = self._loop.on_odometry(odometry, self._now_ns())
         if problem is not None:
             self.get_logger().warning(f"odometry: {problem}", throttle_duration_sec=LOG_THROTTLE_S)
-        if not (np.isfinite(xyz).all() and np.isfinite(quat).all()):
+        if not (np.isfinite(odometry.xyz).all() and np.isfinite(odometry.quat_xyzw).all()):
             self.get_logger().warning("non-finite odometry received", throttle_duration_sec=LOG_THROTTLE_S)
 
     def _on_navigation(self, msg: String) -> None:
-        with self._lock:
-            refused = self._scheduler.set_route(msg.data, self._now_ns())
+        refused = self._loop.on_route(messages.Route(msg.data), self._now_ns())
         if refused is not None:
             self.get_logger().warning(
                 f"route refused, planning without it: {refused}", throttle_duration_sec=LOG_THROTTLE_S
@@ -177,18 +168,20 @@ class DriveNode(Node):
             self._publish_diagnostics()
 
     def _on_planning_tick(self) -> None:
+        now_ns = self._now_ns()
         with self._lock:
-            result = self._scheduler.tick(self._now_ns())
+            result = self._loop.tick(now_ns)
+            received = dict(self._loop.received)
+        if result.request is None:
+            self._outputs.publish_tick(skipped(now_ns, result), received)
         if result.outcome is TickOutcome.STARTED or result.problem is not None:
-            self._dispatch(result.request or result.problem)
+            self._dispatch(result.request or result.problem, received)
 
     def _on_watchdog_tick(self) -> None:
         """planning.trigger = frames: the frames start the plans; ticks report bad input."""
-        with self._lock:
-            problem = self._scheduler.watchdog(self._now_ns())
-        self._dispatch(problem)
+        self._dispatch(self._loop.watchdog(self._now_ns()))
 
-    def _dispatch(self, started: Any) -> None:
+    def _dispatch(self, started: Any, received: dict[str, int] | None = None) -> None:
         """A started request goes to the worker; a problem to diagnostics."""
         if started is None:
             return
@@ -199,7 +192,7 @@ class DriveNode(Node):
                 self._publish_diagnostics()  # every new reason reaches diagnostics, not just the sampled ones
             return
         with self._lock:
-            job = PlanJob(started, self._sampling, self._selection, self._max_lateral_accel)
+            job = PlanJob(started, self._sampling, self._selection, self._max_lateral_accel, received or {})
         self._worker.submit(job)
 
     def _record_rejection(self, problem: Problem) -> bool:
@@ -249,7 +242,7 @@ class DriveNode(Node):
             self.get_logger().info(f"{state.value}: {detail}" if detail else state.value)
         if state is WorkerState.READY:
             with self._lock:
-                self._scheduler.worker_ready(now_ns)
+                self._loop.ready(now_ns)
                 self._outcomes.last_plan_ns = now_ns
         self._publish_diagnostics()
         if state is WorkerState.FAILED and not self.settings.stay_up_on_failure:
@@ -259,17 +252,15 @@ class DriveNode(Node):
     def _run_job(self, planner: Planner, job: PlanJob) -> None:
         driving_input = job.request.assembly.driving_input
         started_ns = self._now_ns()
-        try:
-            plan = planner.plan(driving_input, job.sampling)
-            refused = gate_plan(plan, job.max_lateral_accel_mps2)
-        except PlanUnavailable as exc:  # the server's fault, not the input's or the model's: no plan, go on
-            refused = (exc.reason, exc.detail)
-        if refused is not None:
+        outcome = self._loop.run(job.request, planner=planner, sampling=job.sampling,
+                                 max_lateral_accel_mps2=job.max_lateral_accel_mps2)  # fmt: skip
+        if isinstance(outcome, Skipped):
             with self._lock:
-                self._scheduler.counters.rejected[refused[0]] += 1
-                self._record_rejection(Problem(*refused))
+                self._record_rejection(Problem(outcome.reason, outcome.detail))
             self._publish_diagnostics()
+            self._outputs.publish_tick(outcome, job.received)
             return
+        plan = outcome.plan
         timings_ms = {
             **plan.timings_ms,
             "node.assemble": job.request.assemble_ms,
@@ -287,22 +278,25 @@ class DriveNode(Node):
             outcomes.latency_ms = (published_ns - driving_input.t0_ns) / NS_PER_MS
             outcomes.skew_ms = job.request.assembly.frames.skew_ns / NS_PER_MS
             outcomes.last_plan_ns = published_ns
-            overruns = self._scheduler.counters.tick_outcomes[TickOutcome.OVERRUN]
+            overruns = self._loop.counters.tick_outcomes[TickOutcome.OVERRUN]
         self._outputs.publish(job, plan, timings_ms, started_ns, published_ns, overruns)
         self._publish_diagnostics()
+        self._outputs.publish_tick(outcome, job.received)
 
     def _on_job_error(self, job: PlanJob, exc: Exception) -> None:
         with self._lock:
             self._outcomes.errors += 1
-            self._scheduler.counters.rejected["model_error"] += 1
+            self._loop.count_error()
             self._outcomes.outcome = "error"
             self._outcomes.last_error = f"model_error: {type(exc).__name__}: {exc}"
         self.get_logger().error(f"model_error: {exc!r}", throttle_duration_sec=LOG_THROTTLE_S)
         self._publish_diagnostics()
+        request = job.request
+        failed = Skipped(request.tick_ns, request.assembly.driving_input.t0_ns, MODEL_ERROR, f"{type(exc).__name__}: {exc}")
+        self._outputs.publish_tick(failed, job.received)
 
     def _on_idle(self) -> None:
-        with self._lock:
-            self._scheduler.worker_idle(self._now_ns())
+        self._loop.idle(self._now_ns())
 
     # ---- diagnostics ----
 
@@ -320,7 +314,7 @@ class DriveNode(Node):
             return planner_status(
                 f"{self.get_fully_qualified_name()}: planner", self.settings, now_ns, state=state,
                 worker_error=error, load_ms=worker.load_ms, warmup_ms=worker.warmup_ms,
-                outcomes=self._outcomes, scheduler=self._scheduler, publishers=self._publisher_counts(),
+                outcomes=self._outcomes, scheduler=self._loop.scheduler, publishers=self._publisher_counts(),
             )  # fmt: skip
 
     # ---- lifecycle ----

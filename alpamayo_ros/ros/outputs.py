@@ -1,13 +1,19 @@
-"""The drive node's plan outputs: Path, TrajectorySet, Reasoning, CoC text, timings, markers.
+"""The drive node's plan outputs: Path, TrajectorySet, Reasoning, CoC text, timings, markers,
+and each planning tick's outcome.
 
 Every output of one plan is stamped with its t0 and labelled with the frame of its own input
 (the odometry frame_id stored with the request, never the latest one), and the Path goes last,
-after its companions.
+after its companions. ~/debug/ticks says, once per planning tick when its outcome is final,
+what the drive loop decided (JSON: tick_ns, t0_ns, planned or skipped with the reason, and how
+many messages of each input the loop had taken), so a run can be compared tick by tick with the
+bag evaluator's.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 from nav_msgs.msg import Path
@@ -17,7 +23,8 @@ from std_msgs.msg import Header, String
 from visualization_msgs.msg import MarkerArray
 
 from alpamayo_ros.core.types import WAYPOINT_DT_S, Plan, SamplingSettings
-from alpamayo_ros.inputs.scheduler import PlanRequest
+from alpamayo_ros.drive.loop import Outcome, Planned
+from alpamayo_ros.drive.scheduler import PlanRequest
 from alpamayo_ros.ros import convert
 from alpamayo_ros.settings import DriveSettings
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet
@@ -33,6 +40,7 @@ class PlanJob:
     sampling: SamplingSettings
     selection: str
     max_lateral_accel_mps2: float
+    received: Mapping[str, int]  # messages the loop had taken per input at the tick (for ~/debug/ticks)
 
 
 class PlanPublisher:
@@ -46,6 +54,16 @@ class PlanPublisher:
         self._coc = node.create_publisher(String, "~/output/coc", qos)
         self._timings = node.create_publisher(StageTimings, "~/output/timings", qos)
         self._markers = node.create_publisher(MarkerArray, "~/debug/markers", qos)
+        self._ticks = node.create_publisher(String, "~/debug/ticks", qos)
+
+    def publish_tick(self, outcome: Outcome, received: Mapping[str, int]) -> None:
+        """One planning tick's final outcome on ~/debug/ticks (see the module docstring)."""
+        record = {"tick_ns": outcome.tick_ns, "t0_ns": outcome.t0_ns, "received": dict(received)}
+        if isinstance(outcome, Planned):
+            record.update(outcome="planned", reason="", detail="")
+        else:
+            record.update(outcome="skipped", reason=outcome.reason, detail=outcome.detail)
+        self._ticks.publish(String(data=json.dumps(record)))
 
     def publish(self, job: PlanJob, plan: Plan, timings_ms: dict[str, float], started_ns: int,
                 published_ns: int, overruns: int) -> None:  # fmt: skip

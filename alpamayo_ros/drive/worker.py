@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from alpamayo_ros.core.types import DrivingInput, PlanCancelled, SamplingSettings
-from alpamayo_ros.ros.planner import Planner
+from alpamayo_ros.drive.planner import Planner
 
 logger = logging.getLogger(__name__)
 

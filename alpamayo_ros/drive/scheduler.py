@@ -52,6 +52,11 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class Dropped(Problem):
+    """A camera message refused on arrival (counted in dropped.<reason>); planning waits for a good one."""
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """One accepted input, with what the publisher needs to label its outputs."""
 
@@ -60,6 +65,7 @@ class PlanRequest:
     route_text: str
     assemble_ms: float  # building the DrivingInput (frame selection, ego history, image stacking)
     last_arrival_ns: int  # node clock when the newest frame used reached its callback
+    tick_ns: int  # node clock of the tick (or frame set) that started it
 
 
 @dataclass(frozen=True)
@@ -123,18 +129,20 @@ class PlanScheduler:
 
     # -- sensors --
 
-    def camera_fault(self, camera: int, reason: str, detail: str) -> None:
+    def camera_fault(self, camera: int, reason: str, detail: str) -> Dropped:
         """A camera's newest message could not be used; planning waits for a good one."""
-        self._camera_problems[camera] = Problem(reason, f"camera {camera} ({self._topics[camera]}): {detail}")
+        dropped = Dropped(reason, f"camera {camera} ({self._topics[camera]}): {detail}")
+        self._camera_problems[camera] = dropped
         self.counters.dropped[reason] += 1
+        return dropped
 
     def add_frame(self, camera: int, stamp_ns: int, frame: np.ndarray, now_ns: int) -> PlanRequest | Problem | None:
-        """Buffer a decoded frame; with trigger frames, a fresh complete set starts a plan."""
+        """Buffer a decoded frame; with trigger frames, a fresh complete set starts a plan (or a
+        Problem says why not). A frame stamped ahead of the clock is refused: Dropped."""
         ahead_ns = stamp_ns - now_ns
         if ahead_ns > self.settings.max_future_ns:
             detail = f"stamp {_s(ahead_ns)} ahead of the node clock (max {_s(self.settings.max_future_ns)})"
-            self.camera_fault(camera, RejectReason.CAMERA_FUTURE.value, detail)
-            return None
+            return self.camera_fault(camera, RejectReason.CAMERA_FUTURE.value, detail)
         self._camera_problems.pop(camera, None)
         self.frame_sync.add(camera, stamp_ns, frame)
         self.counters.frames += 1
@@ -192,14 +200,18 @@ class PlanScheduler:
 
     # -- ticks --
 
-    def tick(self, now_ns: int) -> TickResult:
-        """planning.trigger timer: one planning attempt."""
+    def tick(self, now_ns: int, t0_ns: int | None = None) -> TickResult:
+        """planning.trigger timer: one planning attempt.
+
+        t0_ns: plan exactly this t0 (offline re-planning at the t0s a node planned); camera
+        staleness is then not checked, since frames are selected around a given time.
+        """
         self._check_clock(now_ns)
         if not self.ready:
             return self._count(TickResult(TickOutcome.NOT_READY))
         if self.busy:
             return self._count(TickResult(TickOutcome.OVERRUN))
-        outcome = self._start(now_ns)
+        outcome = self._start(now_ns, t0_ns)
         if isinstance(outcome, PlanRequest):
             return self._count(TickResult(TickOutcome.STARTED, request=outcome))
         if outcome is None:
@@ -227,7 +239,7 @@ class PlanScheduler:
         self.counters.tick_outcomes[result.outcome] += 1
         return result
 
-    def _start(self, now_ns: int) -> PlanRequest | Problem | None:
+    def _start(self, now_ns: int, t0_ns: int | None = None) -> PlanRequest | Problem | None:
         """Assemble the newest input and mark the worker busy; None when its t0 was planned."""
         problem = self._sensor_problem()
         if problem is not None:
@@ -238,7 +250,8 @@ class PlanScheduler:
             max_age_ns = self.settings.navigation_max_age_ns
             route_text = text if max_age_ns == 0 or now_ns - arrived_ns <= max_age_ns else None
         started = time.perf_counter()
-        assembled = build_driving_input(self.frame_sync, self.odometry, now_ns=now_ns, route_text=route_text)
+        assembled = build_driving_input(self.frame_sync, self.odometry, now_ns=now_ns if t0_ns is None else None,
+                                        t0_ns=t0_ns, route_text=route_text)
         assemble_ms = (time.perf_counter() - started) * 1e3
         if isinstance(assembled, Rejection):
             return self._rejected(assembled)
@@ -252,6 +265,7 @@ class PlanScheduler:
             route_text=route_text or "",
             assemble_ms=assemble_ms,
             last_arrival_ns=max(self._arrived_ns.values(), default=now_ns),
+            tick_ns=now_ns,
         )
 
     def _sensor_problem(self) -> Problem | None:

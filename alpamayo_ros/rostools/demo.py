@@ -24,10 +24,10 @@ import rclpy
 from rclpy.executors import ExternalShutdownException
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics
-from alpamayo_ros.eval.demo_scene import LOCKSTEP_QOS, NODE, ODOM, TRAJECTORIES, DemoOptions, DemoScene, camera_topic
+from alpamayo_ros.rostools.demo_scene import LOCKSTEP_QOS, NODE, ODOM, TRAJECTORIES, DemoOptions, DemoScene, camera_topic
 from alpamayo_ros.eval.evaluate import drive_settings, evaluate_bag, load_pipeline
 from alpamayo_ros.eval.metrics import summarize
-from alpamayo_ros.eval.processes import start_console_script, stop_process
+from alpamayo_ros.rostools.processes import start_console_script, stop_process
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, default_rig

@@ -28,7 +28,7 @@ from sensor_msgs.msg import CompressedImage
 
 from alpamayo_ros.core.types import CAMERAS, NUM_WAYPOINTS, WAYPOINT_DT_S
 from alpamayo_ros.eval.bags import COMPRESSED_IMAGE, ODOMETRY, BagWriter
-from alpamayo_ros.eval.record import Recorder
+from alpamayo_ros.rostools.record import Recorder
 from alpamayo_ros.eval.scene import PinholeCamera, Pose2D, Renderer, Road, Vehicle
 from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.convert import ns_to_stamp

@@ -4,6 +4,9 @@ Each test module gets its own ROS_DOMAIN_ID so parallel runs do not see each oth
 under test run as separate processes started from their console scripts with
 `--ros-args --params-file`, and are ended with SIGINT (clean DDS shutdown, exit code 0).
 The test side runs an rclpy context with a background executor thread.
+
+Over 400 lines: the shared harness of every process-level node test and of bench_node; split,
+each test would import from several places what always goes together (domain, side, rig).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from alpamayo_ros.ros.convert import ns_to_stamp
-from alpamayo_ros.eval.processes import start_console_script, stop_process  # noqa: F401 - the tests' child processes
+from alpamayo_ros.rostools.processes import start_console_script, stop_process  # noqa: F401 - the tests' child processes
 from alpamayo_ros.settings import write_params_file  # noqa: F401 - the tests' params files
 
 VENV_BIN = Path(sys.executable).parent
