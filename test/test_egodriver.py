@@ -142,7 +142,7 @@ def test_fake_loop_drives_two_sessions(service, pipeline) -> None:
             npz = record / session / f"plan_{line['tick']:05d}.npz"
             _, recorded, response = read_plan(npz)
             assert_alpasim_trajectory(line, response)
-            assert line["seed"] == seed + line["tick"] - first  # the session's seed, one step per plan
+            assert line["seed"] == recorded["seed"] == seed  # the session's seed, as the node's sampling.seed
             # the runtime drove where the answer said: the ego's next pose is the plan at the next step
             if line["tick"] + 1 < result.steps:
                 np.testing.assert_allclose(result.ego.positions[line["tick"] + 1],
@@ -294,12 +294,14 @@ def _session_request(session: str, cameras: list) -> DriveSessionRequest:
 
 
 def test_inputs_equal_the_evaluators_assembly(service, stub, tiny_checkpoint: Path) -> None:
-    """The same JPEG frames and poses, as the node's ROS messages through the evaluator's input feed
-    (the node's decoders, frame selection and ego history), give the service's per-tick inputs."""
+    """The same JPEG frames and poses, as the node's ROS messages through the evaluator's bag feed
+    into a drive loop of its own (the node's front door: its decoders, frame selection and ego
+    history), give the service's per-tick inputs."""
     from nav_msgs.msg import Odometry
     from sensor_msgs.msg import CompressedImage
 
-    from alpamayo_ros.eval.evaluate import InputFeed, drive_settings
+    from alpamayo_ros.drive.loop import DriveLoop
+    from alpamayo_ros.eval.evaluate import BagFeed, drive_settings
 
     _, record = service
     run = ManualRun(FIRST_PLAN_STEP + 4, speed_mps=7.0)
@@ -314,7 +316,9 @@ def test_inputs_equal_the_evaluators_assembly(service, stub, tiny_checkpoint: Pa
     settings = drive_settings(None, {"model.checkpoint_path": str(tiny_checkpoint), "cameras.topics": list(topics.values()),
                                      "cameras.indices": [1, 6], "cameras.transports": ["compressed", "compressed"],
                                      **PARAMS})  # fmt: skip
-    feed = InputFeed(settings)
+    loop = DriveLoop(settings)
+    loop.ready(0)
+    feed = BagFeed(loop)
     compared = 0
     for k, (now_us, pose) in enumerate(run.steps):
         odometry = Odometry()
@@ -330,12 +334,13 @@ def test_inputs_equal_the_evaluators_assembly(service, stub, tiny_checkpoint: Pa
             image.header.stamp = odometry.header.stamp
             feed.add(now_us * 1000, topics[camera.logical_id], image)
         npz = record / session / f"plan_{k:05d}.npz"
-        built = feed.build(now_us * 1000)
+        started = loop.tick(now_us * 1000)
+        loop.idle(now_us * 1000)
         if not npz.exists():
-            assert not hasattr(built, "driving_input"), (k, built)  # neither side could plan
+            assert started.request is None, k  # neither side could plan
             continue
         served, _, _ = read_plan(npz)
-        expected = built.driving_input
+        expected = started.request.assembly.driving_input
         assert served.camera_indices == expected.camera_indices and served.t0_ns == expected.t0_ns
         np.testing.assert_array_equal(served.images, expected.images)
         np.testing.assert_array_equal(served.frame_stamps_ns, expected.frame_stamps_ns)

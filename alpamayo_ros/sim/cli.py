@@ -25,7 +25,7 @@ import yaml
 from carla_driver_interface.protocol import add_EgodriverServiceServicer_to_server, channel_options
 
 from alpamayo_ros.eval.evaluate import settings_values
-from alpamayo_ros.ros.planner import make_planner, warmup_input
+from alpamayo_ros.drive.planner import make_planner, warmup_input
 from alpamayo_ros.settings import DriveSettings, ParameterError, parse_settings
 from alpamayo_ros.sim.record import SessionRecorder
 from alpamayo_ros.sim.service import EgodriverService

@@ -1,10 +1,11 @@
-"""One drive loop per simulator session: the node's scheduler, planner port and output gate.
+"""One drive loop per simulator session, all sessions planning on one shared model.
 
-This module is the one place the egodriver service touches the node's input assembly
-(PlanScheduler: frame selection by time, ego history, route checks, exact counters) and its
-output gate, so the service assembles each tick's input exactly as the drive node and the
-evaluator do. step() is the node's planning tick followed by its worker's plan and gate, run
-synchronously: a simulator waits for its answer.
+A session's inputs go through the node's own DriveLoop (decoding and fitting, frame selection
+by time, ego history, route checks, the scheduler's counters, the output gate), so the service
+assembles each tick's input exactly as the drive node and the evaluator do. What the sessions
+share is the planner: SessionPlanner plans one session at a time and names each input's frames
+after its session, so two sessions of one scene (equal stamps, near-equal frames) never share
+the model's frame caches.
 """
 
 from __future__ import annotations
@@ -15,116 +16,66 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from alpamayo_ros.core.types import DrivingInput, Plan, PlanCancelled, SamplingSettings
-from alpamayo_ros.inputs.scheduler import PlanScheduler, Problem, TickOutcome
-from alpamayo_ros.ros.gate import gate_plan
-from alpamayo_ros.ros.planner import Planner, PlanUnavailable
+from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.drive.loop import DriveLoop, Outcome
+from alpamayo_ros.drive.messages import CameraFrame, Odometry
+from alpamayo_ros.drive.planner import Planner
+from alpamayo_ros.drive.scheduler import Problem
 from alpamayo_ros.settings import DriveSettings
 
 SEED_MODULUS = 2**63  # torch and vLLM take seeds below this
 
 
-@dataclass(frozen=True)
-class Planned:
-    """A plan that passed the gate, with the input it was made from."""
+class SessionPlanner:
+    """The shared planner as one session's Planner: its lock held around each plan, the session's
+    name as the input's frame_source. Warm-up and shutdown stay with the shared planner's owner."""
 
-    plan: Plan
-    driving_input: DrivingInput
-    xyz_t0: np.ndarray  # ego pose at t0 in the odometry frame
-    rot_t0: np.ndarray
-    frame_id: str
+    def __init__(self, planner: Planner, lock: threading.Lock, source: str) -> None:
+        self._planner = planner
+        self._lock = lock
+        self._source = source
+
+    def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:
+        with self._lock:
+            return self._planner.plan(replace(driving_input, frame_source=self._source), sampling)
+
+    def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
+        """Nothing: the service warmed the shared planner up before the first session."""
+
+    def cancel(self) -> None:
+        """Nothing: cancelling the shared planner is the service's (shutdown)."""
+
+    def close(self) -> None:
+        """Nothing: the shared planner outlives its sessions."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One drive(): the loop's outcome and how long the tick took (the shared model's queue included)."""
+
+    outcome: Outcome
     seed: int
-    assemble_ms: float
-    plan_ms: float  # planner call, waiting for the shared model included
-
-    @property
-    def t0_ns(self) -> int:
-        return self.driving_input.t0_ns
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """No plan this tick: the node's reason key (not_ready inputs, a gate refusal, a model error)."""
-
-    reason: str
-    detail: str
-
-
-class ModelFailed(RuntimeError):
-    """The planner raised on a valid input: a fault of the model, not of the session's input."""
+    step_ms: float
 
 
 class SessionLoop:
-    """Inputs of one session in, one outcome per step out. Not thread-safe: the caller holds a lock.
-
-    planner_lock: held around every plan, so sessions share one model one plan at a time.
-    source: the session's name on its inputs (DrivingInput.frame_source): two sessions of one
-        scene see equal stamps and near-equal frames, which must never share the model's caches.
-    """
+    """A session's DriveLoop; its settings' sampling seed is the session's (every plan, as the node's
+    sampling.seed). Not thread-safe across calls: the session serialises them."""
 
     def __init__(self, settings: DriveSettings, planner: Planner, planner_lock: threading.Lock, *, seed: int,
                  source: str) -> None:  # fmt: skip
-        self.settings = settings
-        self.source = source
-        self._planner = planner
-        self._planner_lock = planner_lock
-        self._seed = seed
-        self._scheduler = PlanScheduler(settings)
-        self._scheduler.worker_ready(0)
-        self.plans = 0
-
-    @property
-    def counters(self):  # noqa: ANN201 - the scheduler's Counters
-        return self._scheduler.counters
+        self.seed = seed % SEED_MODULUS
+        self.settings = replace(settings, sampling=replace(settings.sampling, seed=self.seed))
+        self.loop = DriveLoop(self.settings, SessionPlanner(planner, planner_lock, source))
+        self.loop.ready(0)
 
     def on_camera(self, camera: int, stamp_ns: int, rgb: np.ndarray, now_ns: int) -> None:
-        self._scheduler.add_frame(camera, stamp_ns, rgb, now_ns)
+        self.loop.on_camera(CameraFrame(camera, stamp_ns, rgb), now_ns)
 
-    def on_camera_fault(self, camera: int, reason: str, detail: str) -> None:
-        self._scheduler.camera_fault(camera, reason, detail)
+    def on_odometry(self, odometry: Odometry, now_ns: int) -> Problem | None:
+        return self.loop.on_odometry(odometry, now_ns)
 
-    def on_odometry(self, stamp_ns: int, xyz: np.ndarray, quat_xyzw: np.ndarray, frame_id: str, now_ns: int) -> Problem | None:
-        return self._scheduler.add_odometry(stamp_ns, xyz, quat_xyzw, frame_id, now_ns)
-
-    def on_route(self, text: str, now_ns: int) -> Problem | None:
-        return self._scheduler.set_route(text, now_ns)
-
-    def sampling(self) -> SamplingSettings:
-        """This plan's settings: the session's seed advanced by one per plan (reproducible per session)."""
-        return replace(self.settings.sampling, seed=(self._seed + self.plans) % SEED_MODULUS)
-
-    def step(self, now_ns: int) -> Planned | Skipped:
-        """One planning tick at now_ns, then its plan and the output gate."""
-        result = self._scheduler.tick(now_ns)
-        if result.outcome is not TickOutcome.STARTED:
-            problem = result.problem
-            if problem is None:
-                return Skipped(result.outcome.value, "no frames newer than the last plan")
-            return Skipped(problem.reason, problem.detail)
-        request = result.request
-        driving_input = replace(request.assembly.driving_input, frame_source=self.source)
-        sampling = self.sampling()
+    def step(self, now_ns: int) -> Step:
         started = time.perf_counter()
-        try:
-            with self._planner_lock:
-                plan = self._planner.plan(driving_input, sampling)
-        except PlanUnavailable as error:
-            self._scheduler.counters.rejected[error.reason] += 1
-            return Skipped(error.reason, error.detail)
-        except PlanCancelled:
-            raise
-        except Exception as error:
-            self._scheduler.counters.rejected["model_error"] += 1
-            raise ModelFailed(f"{type(error).__name__}: {error}") from error
-        finally:
-            self._scheduler.worker_idle(now_ns)
-        plan_ms = (time.perf_counter() - started) * 1e3
-        self.plans += 1
-        refused = gate_plan(plan, self.settings.max_lateral_accel_mps2)
-        if refused is not None:
-            self._scheduler.counters.rejected[refused[0]] += 1
-            return Skipped(*refused)
-        ego = request.assembly.ego
-        return Planned(plan=plan, driving_input=driving_input, xyz_t0=ego.xyz_t0,
-                       rot_t0=ego.rot_t0, frame_id=request.frame_id, seed=sampling.seed,
-                       assemble_ms=request.assemble_ms, plan_ms=plan_ms)  # fmt: skip
+        outcome = self.loop.step(now_ns)
+        return Step(outcome, self.seed, (time.perf_counter() - started) * 1e3)

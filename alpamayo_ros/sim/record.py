@@ -19,7 +19,7 @@ import numpy as np
 from carla_driver_interface.protocol import DriveRequest, DriveResponse
 
 from alpamayo_ros.core.types import DrivingInput
-from alpamayo_ros.sim.loop import Planned
+from alpamayo_ros.drive.loop import Planned
 from alpamayo_ros.sim.session import Drive
 
 
@@ -41,22 +41,23 @@ class SessionRecorder:
         debug = pickle.loads(drive.response.debug_info.unstructured_debug_info)
         line = {"tick": tick, "time_now_us": drive.now_us, "time_query_us": int(request.time_query_us),
                 "handler_ms": handler_ms, "poses": len(drive.response.trajectory.poses), **debug}  # fmt: skip
-        if isinstance(drive.outcome, Planned):
+        outcome = drive.step.outcome
+        if isinstance(outcome, Planned):
             line["outcome"] = "planned"
-            write_plan(folder / f"plan_{tick:05d}.npz", drive.outcome, drive.response)
+            write_plan(folder / f"plan_{tick:05d}.npz", outcome, drive.step.seed, drive.response)
         else:
-            line["outcome"] = drive.outcome.reason
+            line["outcome"] = outcome.reason
         with open(folder / "drives.jsonl", "a") as out:
             out.write(json.dumps(line) + "\n")
 
 
-def write_plan(path: Path, planned: Planned, response: DriveResponse) -> None:
-    i = planned.driving_input
+def write_plan(path: Path, planned: Planned, seed: int, response: DriveResponse) -> None:
+    i, ego = planned.request.assembly.driving_input, planned.request.assembly.ego
     np.savez_compressed(
         path, images=i.images, camera_indices=np.array(i.camera_indices), frame_stamps_ns=i.frame_stamps_ns,
         t0_ns=np.int64(i.t0_ns), ego_history_xyz=i.ego_history_xyz, ego_history_rot=i.ego_history_rot,
-        route_text=np.array(i.route_text or ""), xyz_t0=planned.xyz_t0, rot_t0=planned.rot_t0,
-        seed=np.uint64(planned.seed), response=np.frombuffer(response.SerializeToString(), dtype=np.uint8),
+        route_text=np.array(i.route_text or ""), xyz_t0=ego.xyz_t0, rot_t0=ego.rot_t0,
+        seed=np.uint64(seed), response=np.frombuffer(response.SerializeToString(), dtype=np.uint8),
     )  # fmt: skip
 
 

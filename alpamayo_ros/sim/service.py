@@ -18,9 +18,9 @@ from carla_driver_interface.protocol import (ALPASIM_API_VERSION, DriveRequest, 
                                              RolloutCameraImage, RolloutEgoTrajectory, RouteRequest,
                                              SessionRequestStatus, VersionId)  # fmt: skip
 
-from alpamayo_ros.ros.planner import Planner
+from alpamayo_ros.drive.planner import Planner
 from alpamayo_ros.settings import DriveSettings
-from alpamayo_ros.sim.loop import ModelFailed, SessionLoop
+from alpamayo_ros.sim.loop import SessionLoop
 from alpamayo_ros.sim.session import Drive, FieldError, Session
 
 logger = logging.getLogger("alpamayo_egodriver")
@@ -79,8 +79,8 @@ class EgodriverService(EgodriverServiceServicer):
             with self._sessions_lock:
                 session = self._sessions.pop(request.session_uuid, None)
             if session is not None:
-                counters = session.loop.counters
-                logger.info("session %s closed: %d plans, rejected %s", session.uuid, session.loop.plans,
+                counters = session.loop.loop.counters
+                logger.info("session %s closed: %d plans started, rejected %s", session.uuid, counters.started,
                             dict(counters.rejected))  # fmt: skip
             return Empty()
 
@@ -99,7 +99,12 @@ class EgodriverService(EgodriverServiceServicer):
 
     def submit_recording_ground_truth(self, request: GroundTruthRequest, context: grpc.ServicerContext) -> Empty:
         """Taken and ignored: a policy must not see the recording's future."""
-        return self._call(context, lambda: self._session(request.session_uuid) and Empty())
+
+        def ignore() -> Empty:
+            self._session(request.session_uuid)
+            return Empty()
+
+        return self._call(context, ignore)
 
     # -- planning --
 
@@ -126,11 +131,9 @@ class EgodriverService(EgodriverServiceServicer):
         return session
 
     def _call(self, context: grpc.ServicerContext, handler: Callable[[], object]):  # noqa: ANN202 - handler's type
-        """Run a handler; a FieldError or a model fault ends the call with its status, naming the field."""
+        """Run a handler; a FieldError ends the call with its status, naming the field (a model fault is
+        the tick's outcome, model_error, as in the node: an empty answer saying so)."""
         try:
             return handler()
         except FieldError as error:
             context.abort(error.code, str(error))
-        except ModelFailed as error:
-            logger.error("planning failed: %s", error)
-            context.abort(grpc.StatusCode.INTERNAL, f"model: {error}")

@@ -20,10 +20,11 @@ import numpy as np
 from carla_driver_interface.protocol import (DriveResponse, RolloutCameraImage, RolloutEgoTrajectory, Route,
                                              Trajectory)  # fmt: skip
 
-from alpamayo_ros.inputs.messages import ImageRejected, compressed_image_to_rgb, fit_image
+from alpamayo_ros.drive.loop import Planned, Skipped, decode_image
+from alpamayo_ros.drive.messages import CompressedImage, Odometry
+from alpamayo_ros.inputs.messages import ImageRejected
 from alpamayo_ros.sim.geometry import plan_trajectory, pose_arrays
-from alpamayo_ros.sim.loop import Planned, SessionLoop, Skipped
-from alpamayo_ros.settings import DriveSettings
+from alpamayo_ros.sim.loop import SessionLoop, Step
 
 ODOMETRY_FRAME = "local"  # AlpaSim's world frame
 POLICY_NAME = "alpamayo_ros"
@@ -40,19 +41,11 @@ class FieldError(ValueError):
 
 
 @dataclass(frozen=True)
-class EncodedImage:
-    """The fields the node's compressed-image decoder reads."""
-
-    data: bytes
-    format: str = "jpeg or png"
-
-
-@dataclass(frozen=True)
 class Drive:
     """One drive() answered: the wire response and the loop's outcome behind it."""
 
     response: DriveResponse
-    outcome: Planned | Skipped
+    step: Step
     now_us: int
 
 
@@ -77,9 +70,8 @@ class Session:
         if image.logical_id not in self.camera_map:
             raise FieldError("camera_image.logical_id", f"{image.logical_id!r} is not mapped to a model camera "
                              f"(mapped: {', '.join(sorted(self.camera_map))}; see --camera)")  # fmt: skip
-        try:  # the node's decoder and resize, outside the session's lock
-            rgb = compressed_image_to_rgb(EncodedImage(bytes(image.image_bytes)))
-            rgb = fit_image(rgb, self.loop.settings.image_size)
+        try:  # the drive loop's decoder, outside the session's lock (the loop fits the decoded frame)
+            rgb = decode_image(CompressedImage("jpeg or png", bytes(image.image_bytes)), None)
         except ImageRejected as exc:
             raise FieldError("camera_image.image_bytes", f"camera {image.logical_id}: {exc}") from None
         camera, stamp_ns = self.camera_map[image.logical_id], int(image.frame_end_us) * NS_PER_US
@@ -105,8 +97,8 @@ class Session:
                 previous = stamp_us
             self._last_pose_us = previous
             for stamp_us, xyz, quat in poses:
-                self._pending.append(lambda now_ns, s=stamp_us * NS_PER_US, p=xyz, q=quat:
-                                     self.loop.on_odometry(s, p, q, ODOMETRY_FRAME, now_ns))  # fmt: skip
+                odometry = Odometry(stamp_us * NS_PER_US, ODOMETRY_FRAME, xyz, quat)
+                self._pending.append(lambda now_ns, o=odometry: self.loop.on_odometry(o, now_ns))
 
     def add_route(self, route: Route) -> None:
         """Checked and counted. Alpamayo 1.5 takes its route as text; AlpaSim sends waypoints (its own
@@ -128,25 +120,26 @@ class Session:
             for deliver in self._pending:
                 deliver(now_ns)
             self._pending.clear()
-            outcome = self.loop.step(now_ns)
-        return Drive(response=self.answer(outcome), outcome=outcome, now_us=time_now_us)
+            step = self.loop.step(now_ns)
+        return Drive(response=self.answer(step), step=step, now_us=time_now_us)
 
-    def answer(self, outcome: Planned | Skipped) -> DriveResponse:
+    def answer(self, step: Step) -> DriveResponse:
         """AlpaSim's answer: an empty trajectory (hold) with the reason while no plan comes out."""
         debug = {"policy_name": POLICY_NAME, "model_id": self.model_id}
+        outcome = step.outcome
         if isinstance(outcome, Skipped):
             debug.update(skipped=outcome.reason, detail=outcome.detail)
             response = DriveResponse(trajectory=Trajectory())
             response.debug_info.unstructured_debug_info = pickle.dumps(debug)
             return response
-        plan = outcome.plan
-        samples = [plan_trajectory(outcome.t0_ns, plan.xyz[s], plan.rot[s], outcome.xyz_t0, outcome.rot_t0)
+        plan, ego = outcome.plan, outcome.request.assembly.ego
+        samples = [plan_trajectory(outcome.t0_ns, plan.xyz[s], plan.rot[s], ego.xyz_t0, ego.rot_t0)
                    for s in range(len(plan.xyz))]  # fmt: skip
         debug.update(
-            backend=plan.backend, t0_us=outcome.t0_ns // NS_PER_US, seed=outcome.seed, selected_sample=0,
+            backend=plan.backend, t0_us=outcome.t0_ns // NS_PER_US, seed=step.seed, selected_sample=0,
             reasoning_text=plan.coc[0], reasoning=list(plan.coc), reasoning_closed=list(plan.reasoning_closed),
-            generated_tokens=[len(ids) for ids in plan.generated_ids], inference_seconds=outcome.plan_ms / 1e3,
-            scalars={"plan_ms": outcome.plan_ms, "assemble_ms": outcome.assemble_ms,
+            generated_tokens=[len(ids) for ids in plan.generated_ids], inference_seconds=step.step_ms / 1e3,
+            scalars={"step_ms": step.step_ms, "assemble_ms": outcome.request.assemble_ms,
                      **{f"timings.{k}": float(v) for k, v in plan.timings_ms.items()}},
         )  # fmt: skip
         response = DriveResponse(trajectory=samples[0])
