@@ -354,3 +354,38 @@ def test_get_version_declares_alpasims_camera_convention(stub) -> None:
     version, call = stub.get_version.with_call(Empty(), timeout=TIMEOUT_S)
     assert version.version_id.startswith("alpamayo_ros-egodriver") and version.grpc_api_version.minor > 0
     assert dict(call.initial_metadata())[METADATA_KEY] == "2"
+
+
+def test_sim_demo_reports_a_closed_loop(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """alpamayo-sim-demo: the runtime drives the service; the report has progress, time off the
+    road, latency per tick and the reasoning of every plan."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "alpamayo_ros.sim.demo", "--out", str(out), "--checkpoint",
+                           str(tiny_checkpoint), "--steps", "18", "--cameras", "1", "--size", "320x180",
+                           "-p", "sampling.max_reasoning_tokens=4"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == len(report["ticks"]) == 18 and report["plans"] == 18 - FIRST_PLAN_STEP
+    assert report["service_exit_code"] == 0 and np.isfinite(report["progress_m"])
+    assert report["time_off_road_s"] >= 0 and report["drive_ms"]["planned_p50"] > 0
+    planned = [t for t in report["ticks"] if t["outcome"] == "planned"]
+    assert all(t["reasoning"] and t["drive_ms"] > 0 for t in planned)
+    assert "time off the lane" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--camera", "camera_front_wide_120fov"], "--camera"),
+    (["--camera", "camera_front_wide_120fov=9"], "cameras.indices"),
+    (["-p", "sampling.selection=medoid"], "sampling.selection"),
+    (["-p", "model.backend=remote"], "model.backend"),
+])  # fmt: skip
+def test_bad_settings_stop_the_service_naming_them(tiny_checkpoint: Path, args: list[str], named: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "alpamayo_ros.sim.cli", "--checkpoint", str(tiny_checkpoint), *args],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and named in done.stderr, done.stderr

@@ -69,8 +69,9 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 def egodriver_settings(args: argparse.Namespace, camera_map: dict[str, int]) -> DriveSettings:
     """The node's settings with the cameras keyed by AlpaSim logical id."""
     overrides = parse_overrides(args.param)
-    overrides.update({"model.checkpoint_path": args.checkpoint, "model.backend": args.backend,
-                      "model.device": args.device, "cameras.topics": list(camera_map),
+    given = {"model.checkpoint_path": args.checkpoint, "model.backend": args.backend, "model.device": args.device}
+    overrides.update({name: value for name, value in given.items() if value is not None})
+    overrides.update({"cameras.topics": list(camera_map),
                       "cameras.indices": list(camera_map.values()),
                       "cameras.transports": ["compressed"] * len(camera_map)})  # fmt: skip
     settings = parse_settings(settings_values(args.params_file, overrides))
