@@ -389,3 +389,16 @@ def test_bad_settings_stop_the_service_naming_them(tiny_checkpoint: Path, args: 
     done = subprocess.run([sys.executable, "-m", "alpamayo_ros.sim.cli", "--checkpoint", str(tiny_checkpoint), *args],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and named in done.stderr, done.stderr
+
+
+def test_bench_egodriver_smoke(tmp_path: Path) -> None:
+    """bench/bench_egodriver.py --smoke: both sides timed on the CPU (kept from rotting, not a speed test)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "bench/bench_egodriver.py", "--smoke", "--runs", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["runs"] == 2 and result["drive_ms"]["p50"] > 0 and result["plan_ms"]["p90"] > 0
