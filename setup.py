@@ -33,6 +33,8 @@ setup(
             "alpamayo-convert-pai = alpamayo_ros.eval.physical_ai_av:main",
             "alpamayo-make-checkpoint = alpamayo_ros.core.tiny_checkpoint:main",
             "alpamayo-serve = alpamayo_ros.serve.cli:main",
+            "alpamayo-egodriver = alpamayo_ros.sim.cli:main",
+            "alpamayo-sim-demo = alpamayo_ros.sim.demo:main",
         ],
     },
 )

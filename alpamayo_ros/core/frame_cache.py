@@ -23,7 +23,6 @@ from .preprocess import PreprocessedImages, VisionGeometry, preprocess_frames
 from .types import DrivingInput
 
 
-
 def frame_fingerprint(image: np.ndarray) -> str:
     """A 128-bit BLAKE3 digest of every byte of image: any changed pixel changes it.
 
