@@ -4,7 +4,7 @@ Times (us per call, CUDA graphs of 20 calls) for the expert's shapes:
 - attention of 64 queries x 32 heads over a ~3.2k-token prefix: torch SDPA flash (GQA folded,
   today's path) against FlashAttention-3 from vLLM's bundle (`vllm.vllm_flash_attn`, varlen
   with seqused_k over a padded, bucketed buffer: no mask channel), and at 16 rows FA3 over a
-  block table whose rows share the prefix's blocks against today's split shared/own attention;
+  block table whose rows share the prefix's blocks against the split shared/own attention the sampler ran before the paged state;
 - the layer's GEMMs at 64 rows: cuBLAS (F.linear) against a Triton split-K kernel over a small
   grid of tile shapes (fp32 partials summed by torch, the sum included);
 - the kernel timeline of today's compiled sampler (1 row, bucket 256 and exact; 16 rows shared),
@@ -79,7 +79,13 @@ def attention_figures(length: int, figures: dict, errors: dict) -> None:
 
 def shared_figures(prompt: int, own: int, rows: int, figures: dict, errors: dict) -> None:
     """16 rows of one prompt: today's shared+own attention vs FA3 over a shared block table."""
-    from alpamayo_ros.core.expert import attention_with_lse
+    def attention_with_lse(q, keys, values, scale, bias=None):
+        # what the shared-prefix path ran before the paged state: flash without a bias,
+        # memory-efficient with one, both returning the log-sum-exp
+        if bias is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, False, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, bias, True, scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]
 
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     heads, kv_heads, dim, page = 32, 8, 128, 16
