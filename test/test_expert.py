@@ -17,14 +17,10 @@ from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.checkpoint import load_expert
 from alpamayo_ros.core.config import AlpamayoConfig
+from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig, MRotaryEmbedding
+from alpamayo_ros.core.expert_action import FourierFeatures
 from alpamayo_ros.core.expert_attention import PAGE
-from alpamayo_ros.core.expert import (
-    ActionExpertModel,
-    ExpertConfig,
-    FourierFeatures,
-    MRotaryEmbedding,
-    build_positions_and_mask,
-)
+from alpamayo_ros.core.expert_prefix import build_positions_and_mask
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
 SECTION = (2, 3, 3)  # sums to HEAD_DIM / 2

@@ -16,7 +16,6 @@ tokens' K/V per step. The two agree within float rounding; the cache is never mu
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,13 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from alpamayo_ros.core.backbone import PrefixCache
-from alpamayo_ros.core.expert_attention import ConcatKV, PagedKV
+from alpamayo_ros.core.expert_action import ACTION_DIM, ActionInProjection, RMSNorm
+from alpamayo_ros.core.expert_attention import ConcatKV
+from alpamayo_ros.core.expert_prefix import (
+    action_positions,
+    blocked_prefix,
+    build_positions_and_mask,
+    check_cache_layers,
+)
 from alpamayo_ros.core.expert_state import ExpertState
 
 logger = logging.getLogger(__name__)
 
-ACTION_DIM = 2  # normalised (acceleration, curvature) per waypoint
-_ACTION_RMS_EPS = 1e-5  # fixed in upstream's action_in_proj encoder
 
 
 @dataclass(frozen=True)
@@ -81,79 +85,6 @@ class ExpertConfig:
             )
         if not self.mrope_interleaved:
             raise ValueError("mrope_interleaved: only Qwen3-VL's interleaved layout is supported")
-
-
-class RMSNorm(nn.Module):
-    """RMS norm computed in fp32 and cast back, as both Qwen3 and upstream's encoder do."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm upcasts half inputs to fp32 and casts the result back: the same math as
-        # the spelled-out version, in one fused kernel on CUDA.
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-
-
-class FourierFeatures(nn.Module):
-    """sqrt(2) [sin, cos](2 pi x f) for log-spaced f in [1, max_freq]; no weights.
-
-    The frequencies are an unsaved buffer, so casting the module to bf16 rounds them (1.6681
-    becomes 1.671875), exactly as upstream's bf16 load does; the product is still fp32.
-    """
-
-    def __init__(self, *, num_feats: int, max_freq: float) -> None:
-        super().__init__()
-        freqs = torch.logspace(0.0, math.log10(max_freq), num_feats // 2)
-        self.freqs = nn.Buffer(freqs, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode x (...) in fp32 -> (..., num_feats)."""
-        angle = x.float()[..., None] * self.freqs.float() * 2 * math.pi
-        return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1) * math.sqrt(2)
-
-
-class ActionEncoder(nn.Module):
-    """MLP: Linear, SiLU, (num_layers - 1) x [RMSNorm, Linear, SiLU], RMSNorm, Linear."""
-
-    def __init__(self, *, in_dim: int, hidden: int, out_dim: int, num_layers: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(in_dim, hidden), nn.SiLU()]
-        for _ in range(num_layers - 1):
-            layers += [RMSNorm(hidden, _ACTION_RMS_EPS), nn.Linear(hidden, hidden), nn.SiLU()]
-        layers += [RMSNorm(hidden, _ACTION_RMS_EPS), nn.Linear(hidden, out_dim)]
-        self.trunk = nn.Sequential(*layers)  # indices match upstream's trunk.{0..12} keys
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.trunk(x)
-
-
-class ActionInProjection(nn.Module):
-    """Embed a noisy action and its flow time as one expert input token per waypoint."""
-
-    def __init__(self, config: ExpertConfig) -> None:
-        super().__init__()
-        self.fourier = FourierFeatures(
-            num_feats=config.num_fourier_feats, max_freq=config.max_freq
-        )
-        in_dim = (ACTION_DIM + 1) * config.num_fourier_feats  # accel, curvature, t
-        self.encoder = ActionEncoder(
-            in_dim=in_dim,
-            hidden=config.action_hidden_size,
-            out_dim=config.hidden_size,
-            num_layers=config.num_enc_layers,
-        )
-        self.norm = nn.LayerNorm(config.hidden_size)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Map x (N, W, 2) and t (N,) to embeddings (N, W, hidden) in the weights' dtype."""
-        n_rows, n_waypoints, _ = x.shape
-        time_feats = self.fourier(t)[:, None, :].expand(n_rows, n_waypoints, -1)
-        feats = torch.cat([self.fourier(x[..., 0]), self.fourier(x[..., 1]), time_feats], dim=-1)
-        weight = self.encoder.trunk[0].weight
-        return self.norm(self.encoder(feats.to(weight.dtype)))
 
 
 class MRotaryEmbedding(nn.Module):
@@ -369,6 +300,13 @@ class ExpertModel(nn.Module):
             h = step(layer, h, rope, kv)
         return self.norm(h)
 
+    def _check_layers(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], n_rows: int) -> None:
+        cfg = self.config
+        check_cache_layers(
+            keys, values, n_rows=n_rows, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (N, L, 1, D) in dtype for M-RoPE positions (3, N, L): broadcast over heads."""
         cos, sin = self.rotary_emb(positions, dtype)
@@ -388,83 +326,13 @@ class ExpertModel(nn.Module):
         keys/values: per backbone layer (N, Hkv, T, D), rotated K.
         """
         cfg = self.config
-        _check_cache_layers(cfg, keys, values, mask.shape[0])
+        self._check_layers(keys, values, mask.shape[0])
         expected = (mask.shape[0], 1, positions.shape[2], keys[0].shape[2] + positions.shape[2])
         if tuple(mask.shape) != expected:
             raise ValueError(f"mask: expected {expected}, got {tuple(mask.shape)}")
         folded_mask = mask.to(dtype).repeat(1, 1, cfg.num_heads // cfg.num_kv_heads, 1)  # see ConcatKV
         kv_layers = [ConcatKV(k, v, folded_mask) for k, v in zip(keys[: cfg.num_layers], values[: cfg.num_layers])]
         return self.rope(positions, dtype), kv_layers
-
-
-def _check_cache_layers(
-    config: ExpertConfig,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
-    n_rows: int,
-) -> None:
-    if len(keys) < config.num_layers or len(values) < config.num_layers:
-        raise ValueError(
-            f"keys/values: {len(keys)}/{len(values)} cache layers for {config.num_layers} expert"
-            " layers"
-        )
-    expected = (n_rows, config.num_kv_heads, keys[0].shape[2], config.head_dim)
-    if tuple(keys[0].shape) != expected or tuple(values[0].shape) != expected:
-        raise ValueError(
-            f"keys/values: expected layer shape {expected} (N, Hkv, T, D), got"
-            f" {tuple(keys[0].shape)}/{tuple(values[0].shape)}"
-        )
-
-
-def _action_positions(cache: PrefixCache, n_tokens: int) -> torch.Tensor:
-    """M-RoPE positions (3, N, n) int64: token j of row i sits at j + offset + rope_delta."""
-    n_rows = cache.keys[0].shape[0]
-    if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
-        raise ValueError(
-            f"cache.offsets/rope_deltas: expected ({n_rows},), got"
-            f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
-        )
-    device = cache.keys[0].device
-    start = cache.offsets.to(device=device, dtype=torch.long)
-    start = start + cache.rope_deltas.to(device=device, dtype=torch.long)
-    token = torch.arange(n_tokens, device=device)
-    return (token[None, :] + start[:, None]).expand(3, n_rows, n_tokens)
-
-
-def _blocked_prefix(cache: PrefixCache) -> torch.Tensor:
-    """(N, T) bool: True on cache columns no action token may attend.
-
-    Those are the columns [offset, T) (tokens other rows generated past their stop) and
-    the ones where cache.valid is False.
-    """
-    n_rows, length, device = cache.rows, cache.length, cache.keys[0].device
-    if tuple(cache.offsets.shape) != (n_rows,):
-        raise ValueError(f"cache.offsets: expected ({n_rows},), got {tuple(cache.offsets.shape)}")
-    if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
-        expected = (n_rows, length)
-        raise ValueError(f"cache.valid: expected {expected}, got {tuple(cache.valid.shape)}")
-    offsets = cache.offsets.to(device=device, dtype=torch.long)
-    blocked = torch.arange(length, device=device)[None, :] >= offsets[:, None]
-    if cache.valid is not None:
-        blocked |= ~cache.valid.to(device=device, dtype=torch.bool)
-    return blocked
-
-
-def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.Tensor, ...]:
-    """Return M-RoPE positions (3, N, n) int64 and the additive mask (N, 1, n, T+n) float32.
-
-    Token j of row i sits at j + offsets[i] + rope_deltas[i] on all three axes, right after
-    <|traj_future_start|>. The mask is finfo.min on cache columns [offset, T) (tokens other
-    rows generated past their stop) and where cache.valid is False, else 0; the n action
-    columns are open to every action token (bidirectional).
-    """
-    positions = _action_positions(cache, n_tokens)
-    blocked = F.pad(_blocked_prefix(cache), (0, n_tokens))  # (N, T+n), action columns open
-    n_rows, width = blocked.shape
-    mask = torch.zeros(n_rows, 1, n_tokens, width, dtype=torch.float32, device=blocked.device)
-    mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(torch.float32).min)
-    return positions, mask
-
 
 
 class ActionExpertModel(nn.Module):
@@ -474,7 +342,11 @@ class ActionExpertModel(nn.Module):
         super().__init__()
         self.config = config
         self.expert = ExpertModel(config)
-        self.action_in_proj = ActionInProjection(config)
+        self.action_in_proj = ActionInProjection(
+            num_fourier_feats=config.num_fourier_feats, max_freq=config.max_freq,
+            action_hidden_size=config.action_hidden_size, hidden_size=config.hidden_size,
+            num_enc_layers=config.num_enc_layers,
+        )
         self.action_out_proj = nn.Linear(config.hidden_size, ACTION_DIM)
         count = sum(p.numel() for p in self.parameters())
         logger.info(f"action expert: {count / 1e6:.2f} M parameters, {config.num_layers} layers")
@@ -487,7 +359,7 @@ class ActionExpertModel(nn.Module):
             raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
 
     def _rope(self, cache: PrefixCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.expert.rope(_action_positions(cache, self.config.n_waypoints), dtype)
+        return self.expert.rope(action_positions(cache, self.config.n_waypoints), dtype)
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> torch.Tensor:
         """Predict the flow (N, 64, 2) for noisy actions x (N, 64, 2) at flow times t (N,).
@@ -497,7 +369,7 @@ class ActionExpertModel(nn.Module):
         n_rows = cache.keys[0].shape[0]
         self._check_action(x, t, n_rows)
         cache = cache.materialized()  # the reference reads every row's columns in full
-        _check_cache_layers(self.config, cache.keys, cache.values, n_rows)
+        self.expert._check_layers(cache.keys, cache.values, n_rows)
         embeds = self.action_in_proj(x, t)
         positions, mask = build_positions_and_mask(cache, x.shape[1])
         rope, kv_layers = self.expert.reference_inputs(positions, mask, cache.keys, cache.values, embeds.dtype)
@@ -530,8 +402,8 @@ class ActionExpertModel(nn.Module):
             raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
         start = 0
         for cache in caches:
-            _check_cache_layers(cfg, cache.keys, cache.values, cache.rows)
-            keep = ~_blocked_prefix(cache).cpu()
+            self.expert._check_layers(cache.keys, cache.values, cache.rows)
+            keep = ~blocked_prefix(cache).cpu()
             prompt = cache.shared_length
             if not bool(keep[:, :prompt].all()):
                 raise ValueError("cache: a shared column is blocked for some row (offset or valid inside the shared part)")
