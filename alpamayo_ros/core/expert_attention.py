@@ -61,7 +61,7 @@ def _fa3_paged_attention(
     q: torch.Tensor,
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     max_queries: int,
@@ -89,14 +89,22 @@ def paged_attention(
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    shared: bool,
 ) -> torch.Tensor:
     """Attend q (N*L, H, D), L queries per row, to each row's first lengths[n] paged keys.
 
     k_blocks/v_blocks: (blocks, PAGE, Hkv, D); block_table: (N, width) int32, the blocks of
-    row n in order; lengths: (N,) int32. Returns (N*L, H, D).
+    row n in order; lengths: (N,) int32. shared: rows share blocks; if not, row n's blocks are
+    n*width .. (n+1)*width - 1, and the blocks are read as one (N, width*PAGE, Hkv, D) batch
+    (FA3 runs faster without a block table: bench/EXPERT.md). Returns (N*L, H, D).
     """
     rows, width = block_table.shape
     queries = q.shape[0] // rows
+    kv_heads, head_dim = k_blocks.shape[2:]
+    table = block_table if shared else None
+    if not shared:
+        k_blocks = k_blocks[: rows * width].view(rows, width * PAGE, kv_heads, head_dim)
+        v_blocks = v_blocks[: rows * width].view(rows, width * PAGE, kv_heads, head_dim)
     # _FA3, not fa3_varlen(): this runs inside torch.compile, which must not trace the import;
     # ExpertState.zeros looks FA3 up on a CUDA device before any state is attended.
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _FA3 is not None:
@@ -104,12 +112,13 @@ def paged_attention(
         # (bench/EXPERT.md: 93.7 against 100.2 us at 16 rows, 19.7 either way at 1 row).
         splits = 1 if q.shape[0] >= 512 else 0
         return _fa3_paged_attention(
-            q, k_blocks, v_blocks, block_table, lengths, cu_seqlens_q, queries, width * PAGE, scale, splits
+            q, k_blocks, v_blocks, table, lengths, cu_seqlens_q, queries, width * PAGE, scale, splits
         )
-    keys = k_blocks[block_table].flatten(1, 2).transpose(1, 2)  # (N, Hkv, width*PAGE, D)
-    values = v_blocks[block_table].flatten(1, 2).transpose(1, 2)
-    heads, head_dim = q.shape[1:]
-    kv_heads = keys.shape[1]
+    if shared:
+        k_blocks = k_blocks[block_table].flatten(1, 2)  # (N, width*PAGE, Hkv, D)
+        v_blocks = v_blocks[block_table].flatten(1, 2)
+    keys, values = k_blocks.transpose(1, 2), v_blocks.transpose(1, 2)
+    heads = q.shape[1]
     open_keys = torch.arange(width * PAGE, device=q.device)[None, :] < lengths[:, None].long()
     folded = q.view(rows, queries, heads, head_dim).transpose(1, 2).reshape(rows, kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=open_keys[:, None, None, :], scale=scale)
@@ -120,7 +129,8 @@ def paged_attention(
 class PagedKV:
     """One layer of an ExpertState as seen by ExpertAttention (see the module docstring).
 
-    slots: (N*L,) int64, where the action tokens' K/V go in the flattened blocks.
+    slots: (N*L,) int64, where the action tokens' K/V go in the flattened blocks; shared:
+    whether rows share blocks (see paged_attention).
     """
 
     k_blocks: torch.Tensor
@@ -129,16 +139,19 @@ class PagedKV:
     lengths: torch.Tensor
     slots: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    shared: bool
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
         rows, length, heads, head_dim = q.shape
         kv_heads = k.shape[2]
-        self.k_blocks.view(-1, kv_heads, head_dim).index_copy_(0, self.slots, k.reshape(-1, kv_heads, head_dim))
-        self.v_blocks.view(-1, kv_heads, head_dim).index_copy_(0, self.slots, v.reshape(-1, kv_heads, head_dim))
+        # An index_put_, which torch.compile writes in place (an index_copy_ cost a full copy
+        # of the blocks per layer there).
+        self.k_blocks.view(-1, kv_heads, head_dim)[self.slots] = k.reshape(-1, kv_heads, head_dim)
+        self.v_blocks.view(-1, kv_heads, head_dim)[self.slots] = v.reshape(-1, kv_heads, head_dim)
         out = paged_attention(
             q.reshape(rows * length, heads, head_dim), self.k_blocks, self.v_blocks, self.block_table,
-            self.lengths, self.cu_seqlens_q, head_dim**-0.5,
+            self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.shared,
         )
         return out.view(rows, length, heads, head_dim)
 

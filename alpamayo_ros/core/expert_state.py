@@ -116,7 +116,7 @@ class ExpertState:
 
     def layers(self) -> list[PagedKV]:
         """Per expert layer, the K/V source ExpertAttention attends through."""
-        meta = (self.block_table, self.lengths, self.slots, self.cu_seqlens_q)
+        meta = (self.block_table, self.lengths, self.slots, self.cu_seqlens_q, self.shared > 0)
         return [PagedKV(k, v, *meta) for k, v in zip(self.k_blocks, self.v_blocks)]
 
     def _own_columns(self, rows_at: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
