@@ -117,11 +117,19 @@ def paged_attention(
     if shared:
         k_blocks = k_blocks[block_table].flatten(1, 2)  # (N, width*PAGE, Hkv, D)
         v_blocks = v_blocks[block_table].flatten(1, 2)
-    keys, values = k_blocks.transpose(1, 2), v_blocks.transpose(1, 2)
+    # On the CPU (never graphed) read no column past the longest row: SDPA's CPU kernel rounds
+    # differently with trailing masked columns, and without them rows of the reference's
+    # length give its result bit for bit (a chaotic flow would amplify any difference).
+    columns = int(lengths.max()) if q.device.type == "cpu" else width * PAGE
+    keys, values = k_blocks[:, :columns].transpose(1, 2), v_blocks[:, :columns].transpose(1, 2)
     heads = q.shape[1]
-    open_keys = torch.arange(width * PAGE, device=q.device)[None, :] < lengths[:, None].long()
+    blocked = torch.arange(columns, device=q.device)[None, :] >= lengths[:, None].long()
     folded = q.view(rows, queries, heads, head_dim).transpose(1, 2).reshape(rows, kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=open_keys[:, None, None, :], scale=scale)
+    # The reference's mask form (additive, one row per folded query), so SDPA takes the same
+    # kernel: with the same keys in the same order the result is then the reference's, bit for bit.
+    mask = torch.zeros(rows, 1, folded.shape[2], columns, dtype=q.dtype, device=q.device)
+    mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(q.dtype).min)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(rows, heads, queries, head_dim).transpose(1, 2).reshape(rows * queries, heads, head_dim)
 
 
