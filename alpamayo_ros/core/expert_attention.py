@@ -56,42 +56,66 @@ def fa3_varlen() -> Any:
     return _FA3
 
 
-@torch.library.custom_op("alpamayo::fa3_paged_attention", mutates_args=())
+def _write_slots(k_blocks: torch.Tensor, v_blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The action tokens' K/V (N*L, Hkv, D) into their slots of the flattened blocks."""
+    k_blocks.view(-1, *k_blocks.shape[2:])[slots] = k
+    v_blocks.view(-1, *v_blocks.shape[2:])[slots] = v
+
+
+def _as_rows(blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Blocks of rows that share none, as one (N, width*PAGE, Hkv, D) batch (see paged_attention)."""
+    return blocks[: rows * width].view(rows, width * PAGE, *blocks.shape[2:])
+
+
+@torch.library.custom_op("alpamayo::fa3_paged_attention", mutates_args=("k_blocks", "v_blocks"))
 def _fa3_paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
-    block_table: torch.Tensor | None,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    max_queries: int,
-    max_keys: int,
     scale: float,
+    shared: bool,
     num_splits: int,
 ) -> torch.Tensor:
-    # An opaque op to torch.compile: FA3's own op has no fake implementation to trace with.
+    # Opaque to torch.compile, the slot writes included: traced, the writes into the blocks made
+    # inductor copy the whole blocks twice per layer (8 ms a 1-row call on an H200), and FA3's
+    # own op has no fake implementation to trace with.
+    _write_slots(k_blocks, v_blocks, slots, k, v)
+    rows, width = block_table.shape
+    if not shared:
+        k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
     return _FA3(
-        q, k_blocks, v_blocks, max_queries, cu_seqlens_q, max_keys, seqused_k=lengths,
-        block_table=block_table, softmax_scale=scale, fa_version=3, num_splits=num_splits,
+        q, k_blocks, v_blocks, q.shape[0] // rows, cu_seqlens_q, width * PAGE, seqused_k=lengths,
+        block_table=block_table if shared else None, softmax_scale=scale, fa_version=3,
+        num_splits=num_splits,
     )
 
 
 @_fa3_paged_attention.register_fake
-def _(q, k_blocks, v_blocks, block_table, lengths, cu_seqlens_q, max_queries, max_keys, scale, num_splits):
+def _(q, k, v, k_blocks, v_blocks, slots, block_table, lengths, cu_seqlens_q, scale, shared, num_splits):
     return torch.empty_like(q)
 
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
+    slots: torch.Tensor,
     block_table: torch.Tensor,
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
     shared: bool,
 ) -> torch.Tensor:
-    """Attend q (N*L, H, D), L queries per row, to each row's first lengths[n] paged keys.
+    """Write the action K/V k, v (N*L, Hkv, D) into `slots`, then attend q (N*L, H, D), L
+    queries per row, to each row's first lengths[n] paged keys.
 
     k_blocks/v_blocks: (blocks, PAGE, Hkv, D); block_table: (N, width) int32, the blocks of
     row n in order; lengths: (N,) int32. shared: rows share blocks; if not, row n's blocks are
@@ -100,11 +124,6 @@ def paged_attention(
     """
     rows, width = block_table.shape
     queries = q.shape[0] // rows
-    kv_heads, head_dim = k_blocks.shape[2:]
-    table = block_table if shared else None
-    if not shared:
-        k_blocks = k_blocks[: rows * width].view(rows, width * PAGE, kv_heads, head_dim)
-        v_blocks = v_blocks[: rows * width].view(rows, width * PAGE, kv_heads, head_dim)
     # _FA3, not fa3_varlen(): this runs inside torch.compile, which must not trace the import;
     # ExpertState.zeros looks FA3 up on a CUDA device before any state is attended.
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _FA3 is not None:
@@ -112,11 +131,15 @@ def paged_attention(
         # (bench/EXPERT.md: 93.7 against 100.2 us at 16 rows, 19.7 either way at 1 row).
         splits = 1 if q.shape[0] >= 512 else 0
         return _fa3_paged_attention(
-            q, k_blocks, v_blocks, table, lengths, cu_seqlens_q, queries, width * PAGE, scale, splits
+            q, k, v, k_blocks, v_blocks, slots, block_table, lengths, cu_seqlens_q, scale, shared, splits
         )
+    _write_slots(k_blocks, v_blocks, slots, k, v)
+    kv_heads, head_dim = k_blocks.shape[2:]
     if shared:
         k_blocks = k_blocks[block_table].flatten(1, 2)  # (N, width*PAGE, Hkv, D)
         v_blocks = v_blocks[block_table].flatten(1, 2)
+    else:
+        k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
     # On the CPU (never graphed) read no column past the longest row: SDPA's CPU kernel rounds
     # differently with trailing masked columns, and without them rows of the reference's
     # length give its result bit for bit (a chaotic flow would amplify any difference).
@@ -153,13 +176,10 @@ class PagedKV:
         """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
         rows, length, heads, head_dim = q.shape
         kv_heads = k.shape[2]
-        # An index_put_, which torch.compile writes in place (an index_copy_ cost a full copy
-        # of the blocks per layer there).
-        self.k_blocks.view(-1, kv_heads, head_dim)[self.slots] = k.reshape(-1, kv_heads, head_dim)
-        self.v_blocks.view(-1, kv_heads, head_dim)[self.slots] = v.reshape(-1, kv_heads, head_dim)
         out = paged_attention(
-            q.reshape(rows * length, heads, head_dim), self.k_blocks, self.v_blocks, self.block_table,
-            self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.shared,
+            q.reshape(rows * length, heads, head_dim), k.reshape(-1, kv_heads, head_dim),
+            v.reshape(-1, kv_heads, head_dim), self.k_blocks, self.v_blocks, self.slots,
+            self.block_table, self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.shared,
         )
         return out.view(rows, length, heads, head_dim)
 
