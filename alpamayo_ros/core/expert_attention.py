@@ -140,19 +140,22 @@ def paged_attention(
         v_blocks = v_blocks[block_table].flatten(1, 2)
     else:
         k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
-    # On the CPU (never graphed) read no column past the longest row: SDPA's CPU kernel rounds
-    # differently with trailing masked columns, and without them rows of the reference's
-    # length give its result bit for bit (a chaotic flow would amplify any difference).
-    columns = int(lengths.max()) if q.device.type == "cpu" else width * PAGE
-    keys, values = k_blocks[:, :columns].transpose(1, 2), v_blocks[:, :columns].transpose(1, 2)
     heads = q.shape[1]
-    blocked = torch.arange(columns, device=q.device)[None, :] >= lengths[:, None].long()
     folded = q.view(rows, queries, heads, head_dim).transpose(1, 2).reshape(rows, kv_heads, -1, head_dim)
-    # The reference's mask form (additive, one row per folded query), so SDPA takes the same
-    # kernel: with the same keys in the same order the result is then the reference's, bit for bit.
-    mask = torch.zeros(rows, 1, folded.shape[2], columns, dtype=q.dtype, device=q.device)
-    mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(q.dtype).min)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    keys, values = k_blocks.transpose(1, 2), v_blocks.transpose(1, 2)  # (N, Hkv, width*PAGE, D)
+    if q.device.type == "cpu":
+        # Never graphed here, so each row attends to exactly its keys: SDPA's CPU kernel rounds
+        # differently with trailing masked columns, and without them a row gives the reference's
+        # result bit for bit (a chaotic 10-step flow amplifies any rounding ~400x a step).
+        out = torch.cat([
+            F.scaled_dot_product_attention(folded[n : n + 1], keys[n : n + 1, :, :used], values[n : n + 1, :, :used], scale=scale)
+            for n, used in enumerate(lengths.tolist())
+        ])
+    else:
+        blocked = torch.arange(width * PAGE, device=q.device)[None, :] >= lengths[:, None].long()
+        bias = torch.zeros(rows, 1, 1, width * PAGE, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(blocked[:, None, None, :], torch.finfo(q.dtype).min)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(rows, heads, queries, head_dim).transpose(1, 2).reshape(rows * queries, heads, head_dim)
 
 
