@@ -33,6 +33,7 @@ import torch
 
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
+from alpamayo_ros.core.expert_attention import fa3_varlen
 from alpamayo_ros.core.flow_matching import ExpertSampler, integrate, sample
 
 #: The estimated release expert (alpamayo_ros.core.tiny_checkpoint.FULL_EXPERT) on
@@ -91,21 +92,6 @@ def copy_bandwidth(device: torch.device) -> float | None:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 2 * 10 * src.numel() / (time.perf_counter() - start)
-
-
-def flash_takes(state, config: ExpertConfig) -> bool:
-    """Whether SDPA's flash kernel accepts the masked state's widened heads (Dk = D + 8)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    width = state.keys[0].shape[-1]
-    keys = state.keys[0]
-    query = torch.zeros(1, config.num_kv_heads, 256, width, dtype=keys.dtype, device=keys.device)
-    try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            torch.nn.functional.scaled_dot_product_attention(query, state.keys[0], state.values[0])
-    except RuntimeError:
-        return False
-    return True
 
 
 def kernel_profile(fn: Callable[[], object]) -> str:
@@ -239,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         variants: list[tuple[str, Callable[[int], torch.Tensor]]] = [
             ("reference (eager, concat per step)", reference),
             ("prepared state (eager, T+64, no mask)", prepared),
-            ("graph, bucket 256 (mask channel)", graphed(256, False)),
+            ("graph, bucket 256", graphed(256, False)),
             ("graph + compiled layers, bucket 256", graphed(256, True)),
-            ("graph, exact length (no mask)", graphed(1, False)),
+            ("graph, exact length", graphed(1, False)),
             ("graph + compiled layers, exact length", graphed(1, True)),
         ]
         if args.micro and device.type == "cuda":
@@ -282,13 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.write_text(json.dumps(results, indent=2))
 
         # What each graph variant pays per plan before its replay: the prefix copy.
-        state = expert.new_state(1, ExpertSampler(expert).capacity_for(length), masked=True)
+        state = expert.new_state(1, ExpertSampler(expert).capacity_for(length))
         load_times = timed(lambda: expert.load_state(state, [cache]), runs, device)
         results["load_state_p50_ms"] = statistics.median(load_times)
         print(json.dumps({"load_state_p50_ms": results["load_state_p50_ms"]}), flush=True)
+        state_bytes = sum(t.numel() * t.element_size() for t in (*state.k_blocks, *state.v_blocks))
+        results["state_gib_1_row"] = state_bytes / 2**30
         if device.type == "cuda":
-            results["flash_takes_mask_channel"] = flash_takes(state, config)
-            print(json.dumps({"flash_takes_mask_channel": results["flash_takes_mask_channel"]}))
+            results["attention"] = "FlashAttention-3 (vLLM)" if fa3_varlen() is not None else "gathered K/V + SDPA"
+            results["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            print(json.dumps({k: results[k] for k in ("attention", "state_gib_1_row", "max_memory_allocated_gib")}))
             compiled_ok = "p50_ms" in results["variants"].get(variants[3][0], {})
             profiled = samplers["256-True" if compiled_ok else "256-False"]
 

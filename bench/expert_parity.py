@@ -1,7 +1,8 @@
 """Check the expert's fast paths against the reference on the GPU in bf16, and time them.
 
-The fast paths (ExpertSampler: CUDA graph of the whole loop, compiled layers, bucket 256;
-1 sample over a plain state, 16 samples over one shared prefix) must be as close to the
+The fast paths (ExpertSampler: CUDA graph of the whole loop, compiled layers, bucket 256,
+paged K/V read by FlashAttention-3 where vLLM's bundle is importable; 1 sample, 16 samples
+over per-row copies and over one shared prefix) must be as close to the
 fp32 reference as the bf16 reference itself is. One Euler step of dt = 1 from t = 0
 (x1 - x0 = v) is compared: with random weights the 10-step flow is chaotic
 (bench/expert_loop_bench.py), so only one step has a meaningful tolerance. The script exits
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             if on_gpu:
                 torch.cuda.empty_cache()
     report["failed"] = failed
+    if on_gpu:
+        from alpamayo_ros.core.expert_attention import fa3_varlen
+
+        report["attention"] = "FlashAttention-3 (vLLM)" if fa3_varlen() is not None else "gathered K/V + SDPA"
+        report["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"attention: {report['attention']}, peak GPU memory {report['max_memory_allocated_gib']:.1f} GiB", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     if failed:

@@ -1,6 +1,7 @@
 """Action expert: checkpoint layout, positions and mask invariants, exact parity with
 transformers' Qwen3VLTextModel run the way upstream runs its expert (cache + 4D mask), and the
-fast path's fused q/k/v weight (one GEMM, upstream's parameters as views of it)."""
+paged fast path against that reference, and the fused q/k/v weight (one GEMM, upstream's
+parameters as views of it)."""
 
 import copy
 import math
@@ -16,13 +17,10 @@ from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.checkpoint import load_expert
 from alpamayo_ros.core.config import AlpamayoConfig
-from alpamayo_ros.core.expert import (
-    ActionExpertModel,
-    ExpertConfig,
-    FourierFeatures,
-    MRotaryEmbedding,
-    build_positions_and_mask,
-)
+from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig, MRotaryEmbedding
+from alpamayo_ros.core.expert_action import FourierFeatures
+from alpamayo_ros.core.expert_attention import PAGE
+from alpamayo_ros.core.expert_prefix import build_positions_and_mask
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
 SECTION = (2, 3, 3)  # sums to HEAD_DIM / 2
@@ -153,6 +151,12 @@ def test_mask_blocks_exactly_the_stop_gap_and_padding():
         assert torch.equal(mask[row, 0], expected.expand(W, -1)), row
 
 
+def run_stack(model, embeds, positions, mask, keys, values):
+    """The decoder stack on upstream's inputs (positions, 4D mask, cache K/V)."""
+    rope, kv_layers = model.expert.reference_inputs(positions, mask, keys, values, embeds.dtype)
+    return model.expert(embeds, rope, kv_layers)
+
+
 def test_expert_layers_match_transformers_qwen3vl():
     # Upstream runs expert(inputs_embeds, position_ids (3,N,64), past_key_values=cache,
     # attention_mask 4D, is_causal=False). Ours must give the same hidden states.
@@ -170,13 +174,13 @@ def test_expert_layers_match_transformers_qwen3vl():
             inputs_embeds=embeds, position_ids=positions, attention_mask=mask, cache=cache,
             use_cache=True, is_causal=False,
         ).last_hidden_state
-        ours = model.expert(embeds, positions, mask, keys, values)
+        ours = run_stack(model, embeds, positions, mask, keys, values)
     assert ours.shape == (rows, W, HIDDEN)
     assert (ours - expected).abs().max() < 1e-5
     # Guard against a vacuous comparison: the mask and positions really change the output.
     with torch.no_grad():
-        unmasked = model.expert(embeds, positions, torch.zeros_like(mask), keys, values)
-        shifted = model.expert(embeds, positions + 3, mask, keys, values)
+        unmasked = run_stack(model, embeds, positions, torch.zeros_like(mask), keys, values)
+        shifted = run_stack(model, embeds, positions + 3, mask, keys, values)
     assert (unmasked - expected).abs().max() > 1e-3
     assert (shifted - expected).abs().max() > 1e-3
 
@@ -328,26 +332,28 @@ def test_bad_config_and_inputs_are_named():
         model.velocity(x, t, short)
 
 
-# --- prepared state (the fast path): same numbers as velocity(x, t, cache) ---------------
+# --- paged state (the fast path): same numbers as velocity(x, t, cache) -------------------
 
 
-def test_prepared_state_without_mask_for_one_full_sample():
-    # 1 sample that stopped last (offset == T), no padding: nothing is masked, so on CUDA the
-    # attention runs as plain flash; K/V buffers are exactly T + 64 columns of head_dim.
+def test_paged_state_for_one_full_sample_spans_a_partial_last_block():
+    # 1 sample that stopped last: T = 30 prefix columns (one full block of PAGE = 16 and a
+    # partial one), then the 64 action tokens right after them in the same blocks.
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config()).eval()
     cache = random_cache(1, 30, seed=1, offsets=[30], deltas=[-5])
     with torch.no_grad():
         state = model.prepare(cache)
-        assert state.query_pad is None
-        assert tuple(state.keys[0].shape) == (1, KV_HEADS, 30 + W, HEAD_DIM)
-        for seed in (2, 3):  # the state is reused: each call rewrites only the action columns
+        assert tuple(state.k_blocks[0].shape) == (-(-(30 + W) // PAGE), PAGE, KV_HEADS, HEAD_DIM)
+        assert state.lengths.tolist() == [30 + W] and state.slots.tolist() == list(range(30, 30 + W))
+        for seed in (2, 3):  # the state is reused: each call rewrites only the action slots
             x, t = noisy_action(1, seed)
             expected = model.velocity(x, t, cache)
             assert (model.velocity_prepared(x, t, state) - expected).abs().max() < 1e-5
 
 
-def test_prepared_state_matches_reference_with_offsets_and_invalid_columns():
+def test_paged_state_matches_reference_with_offsets_and_invalid_columns():
+    # Blocked columns (a stop gap, invalid columns even inside the prefix) are not copied:
+    # each row keeps only what its action tokens attend, so nothing is masked.
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config()).eval()
     valid = torch.ones(3, 40, dtype=torch.bool)
@@ -356,13 +362,13 @@ def test_prepared_state_matches_reference_with_offsets_and_invalid_columns():
     snapshot = [k.clone() for k in cache.keys] + [v.clone() for v in cache.values]
     with torch.no_grad():
         state = model.prepare(cache)
-        assert state.query_pad is not None  # rows 1 and 2 have blocked columns
+        assert state.lengths.tolist() == [40 + W, 26 + W, 22 + W]
         for seed in (2, 3):
             x, t = noisy_action(3, seed)
             expected = model.velocity(x, t, cache)
             assert (model.velocity_prepared(x, t, state) - expected).abs().max() < 1e-5
-        # Not vacuous: the same buffers without the mask channel give other numbers.
-        state.keys[0][:, :, :, HEAD_DIM] = 0.0
+        # Not vacuous: the same blocks read past the kept columns give other numbers.
+        state.lengths[1:] = state.lengths[0]
         unmasked = model.velocity_prepared(x, t, state)
     assert (unmasked - expected).abs().max() > 1e-3
     assert all(torch.equal(a, b) for a, b in zip(snapshot, cache.keys + cache.values))
@@ -384,21 +390,28 @@ def test_bucket_padding_does_not_change_the_velocity(rows, padding):
     assert (got - expected).abs().max() < 1e-5
 
 
-def test_reloaded_state_masks_what_a_longer_plan_left_behind():
+def test_reloaded_state_keeps_its_tensors_and_ignores_what_a_longer_plan_left_behind():
+    # What a captured CUDA graph replays: the same tensors (addresses), refilled for a plan
+    # of another prefix length, must give what a fresh eager state gives.
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config()).eval()
     long_cache = random_cache(2, 60, seed=1, offsets=[60, 55], deltas=[0, 0])
     short_cache = random_cache(2, 20, seed=2, offsets=[20, 17], deltas=[4, 1])
     x, t = noisy_action(2, seed=3)
     with torch.no_grad():
-        state = model.new_state(2, 128, masked=True)
+        state = model.new_state(2, 128)
         model.load_state(state, [long_cache])
         model.velocity_prepared(x, t, state)
-        model.load_state(state, [short_cache])  # columns 20..59 still hold the long plan
-        assert torch.equal(state.keys[1][:, :, 20:60, :HEAD_DIM], long_cache.keys[1][:, :, 20:])
+        addresses = [tensor.data_ptr() for tensor in (*state.k_blocks, state.block_table, state.lengths, state.slots, state.cos)]
+        model.load_state(state, [short_cache])  # columns 20..59 of row 0 still hold the long plan
+        flat = state.k_blocks[1][: state.own_blocks].flatten(0, 1)
+        assert torch.equal(flat[20 + W : 60], long_cache.keys[1][0, :, 20 + W :].transpose(0, 1))
         got = model.velocity_prepared(x, t, state)
+        fresh = model.velocity_prepared(x, t, model.prepare(short_cache))
         expected = model.velocity(x, t, short_cache)
+    assert addresses == [tensor.data_ptr() for tensor in (*state.k_blocks, state.block_table, state.lengths, state.slots, state.cos)]
     assert (got - expected).abs().max() < 1e-5
+    assert torch.equal(got, fresh)
 
 
 def test_stacked_caches_in_one_state_equal_separate_calls():
@@ -409,14 +422,14 @@ def test_stacked_caches_in_one_state_equal_separate_calls():
     free = random_cache(1, 31, seed=2, offsets=[31], deltas=[-1])
     x, t = noisy_action(1, seed=3)
     with torch.no_grad():
-        state = model.new_state(2, 40 + W, masked=True)
+        state = model.new_state(2, 40 + W)
         model.load_state(state, [cond, free])
         both = model.velocity_prepared(torch.cat([x, x]), torch.cat([t, t]), state)
         expected = torch.cat([model.velocity(x, t, cond), model.velocity(x, t, free)])
     assert (both - expected).abs().max() < 1e-5
 
 
-def test_bf16_prepared_state_stays_close_to_bf16_reference():
+def test_bf16_paged_state_stays_close_to_bf16_reference():
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config()).eval().bfloat16()
     cache = random_cache(2, 24, seed=1, offsets=[24, 19], deltas=[0, 0])
@@ -425,7 +438,7 @@ def test_bf16_prepared_state_stays_close_to_bf16_reference():
         state = model.prepare(cache, capacity=128)
         got = model.velocity_prepared(x, t, state)
         expected = model.velocity(x, t, cache)
-    assert state.keys[0].dtype == torch.bfloat16 and got.dtype == torch.bfloat16
+    assert state.k_blocks[0].dtype == torch.bfloat16 and got.dtype == torch.bfloat16
     assert (got.float() - expected.float()).abs().max() < 0.02 * expected.float().abs().max()
 
 
@@ -433,15 +446,13 @@ def test_bad_states_are_named():
     model = ActionExpertModel(tiny_config())
     cache = random_cache(2, 30, seed=0, offsets=[30, 25], deltas=[0, 0])
     with pytest.raises(ValueError, match="capacity"):
-        model.new_state(2, W, masked=True)
+        model.new_state(2, W)
     with pytest.raises(ValueError, match="rows"):
-        model.new_state(0, 128, masked=True)
+        model.new_state(0, 128)
     with pytest.raises(ValueError, match="capacity 90"):
         model.prepare(cache, capacity=90)
-    with pytest.raises(ValueError, match="unmasked"):
-        model.load_state(model.new_state(2, 30 + W, masked=False), [cache])
     with pytest.raises(ValueError, match="caches: 2 rows"):
-        model.load_state(model.new_state(3, 128, masked=True), [cache])
+        model.load_state(model.new_state(3, 128), [cache])
     state = model.prepare(cache)
     x, t = noisy_action(1, seed=1)
     with pytest.raises(ValueError, match="x:"):
@@ -517,21 +528,18 @@ def test_qkv_projections_stay_views_that_reach_the_fast_path(change):
         assert (fast - model.velocity(x, t, cache)).abs().max() < 1e-5
 
 
-def test_fast_path_projects_qkv_with_one_gemm_and_the_reference_with_three():
+def test_both_paths_project_qkv_with_one_gemm_over_the_fused_weight():
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config()).eval()
     cache = random_cache(1, 20, seed=1, offsets=[20], deltas=[0])
     x, t = noisy_action(1, seed=2)
     with torch.no_grad():
         state = model.prepare(cache)
-        with LinearWeights() as fast:
-            model.velocity_prepared(x, t, state)
-        with LinearWeights() as reference:
-            model.velocity(x, t, cache)
-    for layer in model.expert.layers:
-        attention = layer.self_attn
-        separate = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
-        assert sum(w is attention.qkv_weight for w in fast.weights) == 1
-        assert not any(w is p for w in fast.weights for p in separate)
-        assert not any(w is attention.qkv_weight for w in reference.weights)
-        assert all(sum(w is p for w in reference.weights) == 1 for p in separate)
+        for run in (lambda: model.velocity_prepared(x, t, state), lambda: model.velocity(x, t, cache)):
+            with LinearWeights() as seen:
+                run()
+            for layer in model.expert.layers:
+                attention = layer.self_attn
+                separate = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
+                assert sum(w is attention.qkv_weight for w in seen.weights) == 1
+                assert not any(w is p for w in seen.weights for p in separate)

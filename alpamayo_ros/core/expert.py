@@ -5,38 +5,38 @@ expert layer i attends to backbone cache layer i (prompt + reasoning) plus the 6
 tokens, bidirectionally. Module names mirror upstream's checkpoint keys (`expert.*`,
 `action_in_proj.*`, `action_out_proj.*`) so its state_dict loads 1:1.
 
-Two ways to run it, equal within float rounding: `velocity(x, t, cache)` concatenates the
-cache and the action K/V on every call (upstream's append-then-crop, the reference), while
-`prepare(cache)` copies the cache once into an ExpertState (expert_state.py) with spare
-columns for the action tokens and `velocity_prepared(x, t, state)` then writes only those
-columns per step. The cache itself is never mutated.
+One forward per module; where the keys come from is the K/V source's business
+(expert_attention.py). `velocity(x, t, cache)` is the reference: the cache and the action K/V
+concatenated on every call, masked (upstream's append-then-crop; the tests' and benches'
+oracle). The fast path copies the cache once into a paged ExpertState (expert_state.py,
+`prepare` / `load_state`), and `velocity_prepared(x, t, state)` then writes only the action
+tokens' K/V per step. The two agree within float rounding; the cache is never mutated.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
 from alpamayo_ros.core.backbone import PrefixCache
-from alpamayo_ros.core.expert_state import (
-    PREPARED_ATTENTION,
-    ExpertState,
-    LayerStep,
-    prepared_layer_step,
-    shared_layer_step,
+from alpamayo_ros.core.expert_action import ACTION_DIM, ActionInProjection, RMSNorm
+from alpamayo_ros.core.expert_attention import ConcatKV
+from alpamayo_ros.core.expert_prefix import (
+    action_positions,
+    blocked_prefix,
+    build_positions_and_mask,
+    check_cache_layers,
 )
+from alpamayo_ros.core.expert_state import ExpertState
 
 logger = logging.getLogger(__name__)
 
-ACTION_DIM = 2  # normalised (acceleration, curvature) per waypoint
-_ACTION_RMS_EPS = 1e-5  # fixed in upstream's action_in_proj encoder
 
 
 @dataclass(frozen=True)
@@ -85,79 +85,6 @@ class ExpertConfig:
             )
         if not self.mrope_interleaved:
             raise ValueError("mrope_interleaved: only Qwen3-VL's interleaved layout is supported")
-
-
-class RMSNorm(nn.Module):
-    """RMS norm computed in fp32 and cast back, as both Qwen3 and upstream's encoder do."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm upcasts half inputs to fp32 and casts the result back: the same math as
-        # the spelled-out version, in one fused kernel on CUDA.
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-
-
-class FourierFeatures(nn.Module):
-    """sqrt(2) [sin, cos](2 pi x f) for log-spaced f in [1, max_freq]; no weights.
-
-    The frequencies are an unsaved buffer, so casting the module to bf16 rounds them (1.6681
-    becomes 1.671875), exactly as upstream's bf16 load does; the product is still fp32.
-    """
-
-    def __init__(self, *, num_feats: int, max_freq: float) -> None:
-        super().__init__()
-        freqs = torch.logspace(0.0, math.log10(max_freq), num_feats // 2)
-        self.freqs = nn.Buffer(freqs, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode x (...) in fp32 -> (..., num_feats)."""
-        angle = x.float()[..., None] * self.freqs.float() * 2 * math.pi
-        return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1) * math.sqrt(2)
-
-
-class ActionEncoder(nn.Module):
-    """MLP: Linear, SiLU, (num_layers - 1) x [RMSNorm, Linear, SiLU], RMSNorm, Linear."""
-
-    def __init__(self, *, in_dim: int, hidden: int, out_dim: int, num_layers: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(in_dim, hidden), nn.SiLU()]
-        for _ in range(num_layers - 1):
-            layers += [RMSNorm(hidden, _ACTION_RMS_EPS), nn.Linear(hidden, hidden), nn.SiLU()]
-        layers += [RMSNorm(hidden, _ACTION_RMS_EPS), nn.Linear(hidden, out_dim)]
-        self.trunk = nn.Sequential(*layers)  # indices match upstream's trunk.{0..12} keys
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.trunk(x)
-
-
-class ActionInProjection(nn.Module):
-    """Embed a noisy action and its flow time as one expert input token per waypoint."""
-
-    def __init__(self, config: ExpertConfig) -> None:
-        super().__init__()
-        self.fourier = FourierFeatures(
-            num_feats=config.num_fourier_feats, max_freq=config.max_freq
-        )
-        in_dim = (ACTION_DIM + 1) * config.num_fourier_feats  # accel, curvature, t
-        self.encoder = ActionEncoder(
-            in_dim=in_dim,
-            hidden=config.action_hidden_size,
-            out_dim=config.hidden_size,
-            num_layers=config.num_enc_layers,
-        )
-        self.norm = nn.LayerNorm(config.hidden_size)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Map x (N, W, 2) and t (N,) to embeddings (N, W, hidden) in the weights' dtype."""
-        n_rows, n_waypoints, _ = x.shape
-        time_feats = self.fourier(t)[:, None, :].expand(n_rows, n_waypoints, -1)
-        feats = torch.cat([self.fourier(x[..., 0]), self.fourier(x[..., 1]), time_feats], dim=-1)
-        weight = self.encoder.trunk[0].weight
-        return self.norm(self.encoder(feats.to(weight.dtype)))
 
 
 class MRotaryEmbedding(nn.Module):
@@ -212,13 +139,11 @@ def _one_tensor_under(parts: Sequence[nn.Parameter], fused: torch.Tensor | None)
         part.data = piece
     return fused
 
-
 class ExpertAttention(nn.Module):
     """GQA self-attention whose keys are [backbone cache layer ; own tokens].
 
-    The reference path (forward) projects with q_proj, k_proj and v_proj as upstream does;
-    the fast path (forward_prepared) with one GEMM over their fused weight, of which their
-    weights are views.
+    q, k and v come from one GEMM over the fused weight, of which upstream's q/k/v_proj
+    weights are views; the K/V source (ConcatKV or PagedKV) stores the new K/V and attends.
     """
 
     def __init__(
@@ -279,145 +204,34 @@ class ExpertAttention(nn.Module):
         super().__setstate__(state)
         self._fuse_qkv()
 
-    def _heads(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split projections (N, L, heads*D) into q (N, H, L, D), k, v (N, Hkv, L, D).
-
-        q and k are normed and rotated; rope: cos, sin (N, 1, L, D).
-        """
-        n_rows, length, _ = q.shape
-        q = self.q_norm(q.view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(n_rows, length, -1, self.head_dim)).transpose(1, 2)
-        v = v.view(n_rows, length, -1, self.head_dim).transpose(1, 2)
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVSource) -> torch.Tensor:
+        """Attend h (N, L, E) to kv's keys and to itself; rope: cos, sin (N, L, 1, D)."""
+        n_rows, length, _ = h.shape
+        q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
+        q = self.q_norm(q.view(n_rows, length, -1, self.head_dim))  # (N, L, H, D)
+        k = self.k_norm(k.view(n_rows, length, -1, self.head_dim))
+        v = v.view(n_rows, length, -1, self.head_dim)
         cos, sin = rope
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        folded_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attend q (N, H, L, Dk) to keys/values (N, Hkv, S, Dk); project (N, L, E) out."""
-        n_rows, _, length, width = q.shape
-        # GQA without copying K/V per query head: query heads sharing a kv head are stacked
-        # along the query axis (N, Hkv, groups*L, Dk); a mask is shared by all heads.
-        q = q.reshape(n_rows, self.num_kv_heads, -1, width)
-        scale = self.head_dim**-0.5
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=folded_mask, scale=scale)
-        out = out[..., : self.head_dim].reshape(n_rows, self.num_heads, length, self.head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(n_rows, length, -1))
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        past_key: torch.Tensor,
-        past_value: torch.Tensor,
-        folded_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Attend h (N, L, E) to the cache (N, Hkv, T, D) and to itself.
-
-        folded_mask: (N, 1, groups*L, T+L) additive mask in h's dtype, the (N, 1, L, T+L)
-        mask repeated once per query head sharing a kv head.
-        """
-        q, k, v = self._heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), rope)
-        k = torch.cat([past_key.to(k.dtype), k], dim=2)  # (N, Hkv, T+L, D)
-        v = torch.cat([past_value.to(v.dtype), v], dim=2)
-        return self._attend(q, k, v, folded_mask)
-
-    def _fused_heads(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v heads of h from one GEMM over the fused weight (see _fuse_qkv)."""
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
-        return self._heads(*qkv, rope)
-
-    def forward_prepared(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        query_pad: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Write h's K/V into the last L columns of one ExpertState layer, then attend to it."""
-        q, k, v = self._fused_heads(h, rope)
-        length = h.shape[1]
-        keys[:, :, -length:, : self.head_dim] = k
-        values[:, :, -length:, : self.head_dim] = v
-        if query_pad is not None:
-            q = torch.cat([q, query_pad.expand(*q.shape[:-1], -1)], dim=-1)
-        with sdpa_kernel(PREPARED_ATTENTION, set_priority=True):
-            return self._attend(q, keys, values, None)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return self.o_proj(kv.attend(q, k, v).reshape(n_rows, length, -1))
 
 
-    def forward_shared(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        shared_keys: torch.Tensor,
-        shared_values: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        own_bias: torch.Tensor,
-    ) -> torch.Tensor:
-        """forward_prepared over a shared ExpertState layer: every row attends to the one
-        shared prefix (1, Hkv, S, D) and to its own columns (N, Hkv, C, D).
+class KVSource(Protocol):
+    """Where a layer's keys are: stores the action tokens' K/V and attends (expert_attention.py)."""
 
-        The shared part runs as one attention call with all rows' queries stacked along
-        the query axis, so the prefix is read once per layer, not once per row; the own part
-        (reasoning + action columns, masked by own_bias) is small. The two softmaxes are
-        joined exactly through their log-sum-exps.
-        """
-        q, k, v = self._fused_heads(h, rope)
-        n_rows, _, length, head_dim = q.shape
-        keys[:, :, -length:] = k
-        values[:, :, -length:] = v
-        scale = head_dim**-0.5
-        q = q.reshape(n_rows, self.num_kv_heads, -1, head_dim)  # GQA folding, see _attend
-        folded = q.shape[2]
-        stacked = q.transpose(0, 1).reshape(1, self.num_kv_heads, n_rows * folded, head_dim)
-        shared_out, shared_lse = attention_with_lse(stacked, shared_keys, shared_values, scale)
-        shared_out = shared_out.reshape(self.num_kv_heads, n_rows, folded, head_dim).transpose(0, 1)
-        shared_lse = shared_lse.reshape(self.num_kv_heads, n_rows, folded).transpose(0, 1)
-        bias = own_bias.expand(n_rows, self.num_kv_heads, folded, -1)
-        own_out, own_lse = attention_with_lse(q, keys, values, scale, bias)
-        lse = torch.logaddexp(shared_lse, own_lse)
-        out = shared_out.float() * torch.exp(shared_lse - lse)[..., None]
-        out = out + own_out.float() * torch.exp(own_lse - lse)[..., None]
-        out = out.to(h.dtype).reshape(n_rows, self.num_heads, length, head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(n_rows, length, -1))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (N, L, H, D), k/v (N, L, Hkv, D) -> (N, L, H, D)."""
 
 
-def attention_with_lse(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention (B, H, L, D) and the log-sum-exp of its scaled, biased scores (B, H, L) fp32.
+#: layer_step(layer, h, rope, kv) -> h: runs one layer; torch.compile of one such function
+#: serves every layer (they differ only in weights, which are its inputs).
+LayerStep = Callable[["ExpertLayer", torch.Tensor, tuple[torch.Tensor, torch.Tensor], KVSource], torch.Tensor]
 
-    bias: additive, broadcast to (B, H, L, S), in q's dtype. On CUDA in half types, one fused
-    kernel (flash without a bias, memory-efficient with one) that returns the log-sum-exp
-    anyway; on the CPU flash without a bias; the spelled-out math in fp32 elsewhere.
-    """
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.is_cuda and half and bias is None:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, False, False, scale=scale)[:2]
-        return out, lse
-    if q.is_cuda and half:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, bias, True, scale=scale)[:2]
-        return out, lse[..., : q.shape[2]]
-    if q.device.type == "cpu" and bias is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, False, scale=scale)
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.float()
-    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype), torch.logsumexp(scores, dim=-1)
+
+def layer_step(layer: ExpertLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVSource) -> torch.Tensor:
+    """One layer: the plain step, and what ExpertSampler compiles."""
+    return layer(h, rope, kv)
 
 
 class ExpertMLP(nn.Module):
@@ -452,45 +266,8 @@ class ExpertLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        past_key: torch.Tensor,
-        past_value: torch.Tensor,
-        folded_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, past_key, past_value, folded_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def forward_prepared(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        query_pad: torch.Tensor | None,
-    ) -> torch.Tensor:
-        attn = self.self_attn.forward_prepared(
-            self.input_layernorm(h), rope, keys, values, query_pad
-        )
-        h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def forward_shared(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        shared_keys: torch.Tensor,
-        shared_values: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        own_bias: torch.Tensor,
-    ) -> torch.Tensor:
-        attn = self.self_attn.forward_shared(
-            self.input_layernorm(h), rope, shared_keys, shared_values, keys, values, own_bias
-        )
-        h = h + attn
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVSource) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -509,123 +286,53 @@ class ExpertModel(nn.Module):
     def forward(
         self,
         inputs_embeds: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_layers: Sequence[KVSource],
+        step: LayerStep = layer_step,
+    ) -> torch.Tensor:
+        """Run all layers; returns the final-normed hidden states (N, L, E).
+
+        inputs_embeds (N, L, E); rope: cos, sin (N, L, 1, D); kv_layers: one K/V source per
+        layer; step: layer_step or a compiled twin of it.
+        """
+        h = inputs_embeds
+        for layer, kv in zip(self.layers, kv_layers, strict=True):
+            h = step(layer, h, rope, kv)
+        return self.norm(h)
+
+    def _check_layers(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], n_rows: int) -> None:
+        cfg = self.config
+        check_cache_layers(
+            keys, values, n_rows=n_rows, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (N, L, 1, D) in dtype for M-RoPE positions (3, N, L): broadcast over heads."""
+        cos, sin = self.rotary_emb(positions, dtype)
+        return cos[:, :, None], sin[:, :, None]
+
+    def reference_inputs(
+        self,
         positions: torch.Tensor,
         mask: torch.Tensor,
         keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor],
-    ) -> torch.Tensor:
-        """Run all layers; returns the final-normed hidden states (N, L, E).
+        dtype: torch.dtype,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[ConcatKV]]:
+        """forward()'s rope and K/V sources for upstream's inputs (the reference path).
 
-        inputs_embeds (N, L, E); positions (3, N, L) M-RoPE ids; mask (N, 1, L, T+L) additive
-        float (0 = attend); keys/values: per backbone layer (N, Hkv, T, D), rotated K.
+        positions (3, N, L) M-RoPE ids; mask (N, 1, L, T+L) additive float (0 = attend);
+        keys/values: per backbone layer (N, Hkv, T, D), rotated K.
         """
         cfg = self.config
-        n_rows, length, _ = inputs_embeds.shape
-        _check_cache_layers(cfg, keys, values, n_rows)
-        expected = (n_rows, 1, length, keys[0].shape[2] + length)
+        self._check_layers(keys, values, mask.shape[0])
+        expected = (mask.shape[0], 1, positions.shape[2], keys[0].shape[2] + positions.shape[2])
         if tuple(mask.shape) != expected:
             raise ValueError(f"mask: expected {expected}, got {tuple(mask.shape)}")
-        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
-        rope = (cos[:, None], sin[:, None])
-        groups = cfg.num_heads // cfg.num_kv_heads
-        folded_mask = mask.to(inputs_embeds.dtype).repeat(1, 1, groups, 1)  # see ExpertAttention
-        h = inputs_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, keys[i], values[i], folded_mask)
-        return self.norm(h)
-
-    def forward_prepared(
-        self,
-        inputs_embeds: torch.Tensor,
-        state: ExpertState,
-        layer_step: LayerStep | None = None,
-    ) -> torch.Tensor:
-        """forward() over a prepared state: (N, W, E) embeddings -> final-normed hidden states.
-
-        layer_step: prepared_layer_step (or a compiled twin), shared_layer_step for a shared
-        state; None picks the plain one that fits the state.
-        """
-        rope = (state.cos, state.sin)
-        h = inputs_embeds
-        if state.shared_keys is None:
-            step = layer_step or prepared_layer_step
-            for layer, keys, values in zip(self.layers, state.keys, state.values):
-                h = step(layer, h, rope, keys, values, state.query_pad)
-        else:
-            step = layer_step or shared_layer_step
-            shared = zip(state.shared_keys, state.shared_values, state.keys, state.values)
-            for layer, (shared_keys, shared_values, keys, values) in zip(self.layers, shared):
-                h = step(layer, h, rope, shared_keys, shared_values, keys, values, state.own_bias)
-        return self.norm(h)
-
-
-def _check_cache_layers(
-    config: ExpertConfig,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
-    n_rows: int,
-) -> None:
-    if len(keys) < config.num_layers or len(values) < config.num_layers:
-        raise ValueError(
-            f"keys/values: {len(keys)}/{len(values)} cache layers for {config.num_layers} expert"
-            " layers"
-        )
-    expected = (n_rows, config.num_kv_heads, keys[0].shape[2], config.head_dim)
-    if tuple(keys[0].shape) != expected or tuple(values[0].shape) != expected:
-        raise ValueError(
-            f"keys/values: expected layer shape {expected} (N, Hkv, T, D), got"
-            f" {tuple(keys[0].shape)}/{tuple(values[0].shape)}"
-        )
-
-
-def _action_positions(cache: PrefixCache, n_tokens: int) -> torch.Tensor:
-    """M-RoPE positions (3, N, n) int64: token j of row i sits at j + offset + rope_delta."""
-    n_rows = cache.keys[0].shape[0]
-    if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
-        raise ValueError(
-            f"cache.offsets/rope_deltas: expected ({n_rows},), got"
-            f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
-        )
-    device = cache.keys[0].device
-    start = cache.offsets.to(device=device, dtype=torch.long)
-    start = start + cache.rope_deltas.to(device=device, dtype=torch.long)
-    token = torch.arange(n_tokens, device=device)
-    return (token[None, :] + start[:, None]).expand(3, n_rows, n_tokens)
-
-
-def _blocked_prefix(cache: PrefixCache) -> torch.Tensor:
-    """(N, T) bool: True on cache columns no action token may attend.
-
-    Those are the columns [offset, T) (tokens other rows generated past their stop) and
-    the ones where cache.valid is False.
-    """
-    n_rows, length, device = cache.rows, cache.length, cache.keys[0].device
-    if tuple(cache.offsets.shape) != (n_rows,):
-        raise ValueError(f"cache.offsets: expected ({n_rows},), got {tuple(cache.offsets.shape)}")
-    if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
-        expected = (n_rows, length)
-        raise ValueError(f"cache.valid: expected {expected}, got {tuple(cache.valid.shape)}")
-    offsets = cache.offsets.to(device=device, dtype=torch.long)
-    blocked = torch.arange(length, device=device)[None, :] >= offsets[:, None]
-    if cache.valid is not None:
-        blocked |= ~cache.valid.to(device=device, dtype=torch.bool)
-    return blocked
-
-
-def build_positions_and_mask(cache: PrefixCache, n_tokens: int) -> tuple[torch.Tensor, ...]:
-    """Return M-RoPE positions (3, N, n) int64 and the additive mask (N, 1, n, T+n) float32.
-
-    Token j of row i sits at j + offsets[i] + rope_deltas[i] on all three axes, right after
-    <|traj_future_start|>. The mask is finfo.min on cache columns [offset, T) (tokens other
-    rows generated past their stop) and where cache.valid is False, else 0; the n action
-    columns are open to every action token (bidirectional).
-    """
-    positions = _action_positions(cache, n_tokens)
-    blocked = F.pad(_blocked_prefix(cache), (0, n_tokens))  # (N, T+n), action columns open
-    n_rows, width = blocked.shape
-    mask = torch.zeros(n_rows, 1, n_tokens, width, dtype=torch.float32, device=blocked.device)
-    mask = mask.masked_fill(blocked[:, None, None, :], torch.finfo(torch.float32).min)
-    return positions, mask
+        folded_mask = mask.to(dtype).repeat(1, 1, cfg.num_heads // cfg.num_kv_heads, 1)  # see ConcatKV
+        kv_layers = [ConcatKV(k, v, folded_mask) for k, v in zip(keys[: cfg.num_layers], values[: cfg.num_layers])]
+        return self.rope(positions, dtype), kv_layers
 
 
 class ActionExpertModel(nn.Module):
@@ -635,7 +342,11 @@ class ActionExpertModel(nn.Module):
         super().__init__()
         self.config = config
         self.expert = ExpertModel(config)
-        self.action_in_proj = ActionInProjection(config)
+        self.action_in_proj = ActionInProjection(
+            num_fourier_feats=config.num_fourier_feats, max_freq=config.max_freq,
+            action_hidden_size=config.action_hidden_size, hidden_size=config.hidden_size,
+            num_enc_layers=config.num_enc_layers,
+        )
         self.action_out_proj = nn.Linear(config.hidden_size, ACTION_DIM)
         count = sum(p.numel() for p in self.parameters())
         logger.info(f"action expert: {count / 1e6:.2f} M parameters, {config.num_layers} layers")
@@ -647,97 +358,77 @@ class ActionExpertModel(nn.Module):
         if tuple(t.shape) != (n_rows,):
             raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
 
+    def _rope(self, cache: PrefixCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.expert.rope(action_positions(cache, self.config.n_waypoints), dtype)
+
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: PrefixCache) -> torch.Tensor:
         """Predict the flow (N, 64, 2) for noisy actions x (N, 64, 2) at flow times t (N,).
 
-        Free of host syncs, so the sampler loop can be captured in a CUDA graph as long as
-        the cache tensors (incl. offsets, rope_deltas, valid) already live on the device.
+        The reference path; free of host syncs.
         """
-        self._check_action(x, t, cache.keys[0].shape[0])
+        n_rows = cache.keys[0].shape[0]
+        self._check_action(x, t, n_rows)
         cache = cache.materialized()  # the reference reads every row's columns in full
+        self.expert._check_layers(cache.keys, cache.values, n_rows)
         embeds = self.action_in_proj(x, t)
         positions, mask = build_positions_and_mask(cache, x.shape[1])
-        hidden = self.expert(embeds, positions, mask, cache.keys, cache.values)
+        rope, kv_layers = self.expert.reference_inputs(positions, mask, cache.keys, cache.values, embeds.dtype)
+        hidden = self.expert(embeds, rope, kv_layers)
         return self.action_out_proj(hidden)
 
-    def new_state(
-        self, rows: int, capacity: int, *, masked: bool, shared: int | None = None
-    ) -> ExpertState:
-        """Zeroed ExpertState buffers: `rows` rows, `capacity` key columns (T + padding + W).
-
-        With `shared`, a shared state: that many columns of common prefix, and `capacity` own
-        columns per row (own tokens + padding + W), masked exactly (`masked` is not used).
-        """
+    def new_state(self, rows: int, capacity: int, *, shared: int = 0) -> ExpertState:
+        """Zeroed ExpertState: `rows` rows of `capacity` own key columns (kept prefix columns
+        + padding + W action tokens), plus shared blocks for a prompt of up to `shared` columns."""
         cfg = self.config
-        sizes = dict(
+        return ExpertState.zeros(
             rows=rows, capacity=capacity, n_tokens=cfg.n_waypoints, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, like=self.expert.norm.weight,
+            shared=shared,
         )
-        if shared is None:
-            return ExpertState.zeros(masked=masked, **sizes)
-        return ExpertState.zeros_shared(shared=shared, **sizes)
 
     def load_state(self, state: ExpertState, caches: Sequence[PrefixCache]) -> None:
         """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
 
-        One state serves any plan that fits: see ExpertState.load_rows.
+        A shared state takes one cache with a shared part; a plain one any caches without.
+        One host sync per cache: which columns each row keeps (ExpertState.load).
         """
         cfg = self.config
-        if state.shared_keys is not None:
-            if len(caches) != 1 or caches[0].shared_keys is None:
-                raise ValueError("caches: a shared state takes exactly one cache with a shared part")
-            cache = caches[0]
-            _check_cache_layers(cfg, cache.keys, cache.values, cache.rows)
-            cos, sin = self.expert.rotary_emb(_action_positions(cache, cfg.n_waypoints), state.cos.dtype)
-            state.load_shared(
-                cache.shared_keys, cache.shared_values, cache.keys, cache.values, _blocked_prefix(cache),
-                (cos[:, None], sin[:, None]),
-            )
-            return
-        if any(cache.shared_keys is not None for cache in caches):
+        if state.shared and (len(caches) != 1 or caches[0].shared_keys is None):
+            raise ValueError("caches: a shared state takes exactly one cache with a shared part")
+        if not state.shared and any(cache.shared_keys is not None for cache in caches):
             raise ValueError("caches: one has a shared part; load it into a shared state (new_state(shared=...))")
-        rows = sum(cache.keys[0].shape[0] for cache in caches)
+        rows = sum(cache.rows for cache in caches)
         if rows != state.rows:
             raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
         start = 0
         for cache in caches:
-            n_rows = cache.keys[0].shape[0]
-            _check_cache_layers(cfg, cache.keys, cache.values, n_rows)
-            positions = _action_positions(cache, cfg.n_waypoints)
-            cos, sin = self.expert.rotary_emb(positions, state.cos.dtype)
-            rope = (cos[:, None], sin[:, None])
-            state.load_rows(start, cache.keys, cache.values, _blocked_prefix(cache), rope)
-            start += n_rows
+            self.expert._check_layers(cache.keys, cache.values, cache.rows)
+            keep = ~blocked_prefix(cache).cpu()
+            prompt = cache.shared_length
+            if not bool(keep[:, :prompt].all()):
+                raise ValueError("cache: a shared column is blocked for some row (offset or valid inside the shared part)")
+            state.load(
+                start, cache.keys, cache.values, keep[:, prompt:], self._rope(cache, state.cos.dtype),
+                cache.shared_keys, cache.shared_values,
+            )
+            start += cache.rows
 
     def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState:
-        """Copy `cache` once into a new ExpertState of `capacity` columns (default T + W).
-
-        The state is masked only where something must be: padding, a stop gap or invalid
-        columns. One sample without padding needs none, so attention runs unmasked (flash).
-        """
-        needed = cache.length + self.config.n_waypoints
-        capacity = needed if capacity is None else capacity
-        if cache.shared_keys is not None:
-            own = capacity - cache.shared_length
-            state = self.new_state(cache.rows, own, masked=False, shared=cache.shared_length)
-        else:
-            masked = capacity != needed or bool(_blocked_prefix(cache).any())
-            state = self.new_state(cache.keys[0].shape[0], capacity, masked=masked)
+        """Copy `cache` once into a new ExpertState of `capacity` own columns per row (default
+        the row's columns past the shared prompt + W); a shared cache keeps its prompt once."""
+        capacity = cache.length - cache.shared_length + self.config.n_waypoints if capacity is None else capacity
+        state = self.new_state(cache.rows, capacity, shared=cache.shared_length)
         self.load_state(state, [cache])
         return state
 
     def velocity_prepared(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        state: ExpertState,
-        *,
-        layer_step: LayerStep | None = None,
+        self, x: torch.Tensor, t: torch.Tensor, state: ExpertState, *, step: LayerStep = layer_step
     ) -> torch.Tensor:
         """velocity(x, t, cache) for the cache(s) loaded into `state`.
 
-        Writes this call's action K/V into the state's last W columns; free of host syncs.
+        Writes this call's action K/V into the state's slots; free of host syncs.
         """
         self._check_action(x, t, state.rows)
         embeds = self.action_in_proj(x, t)
-        return self.action_out_proj(self.expert.forward_prepared(embeds, state, layer_step))
+        hidden = self.expert(embeds, (state.cos, state.sin), state.layers(), step)
+        return self.action_out_proj(hidden)

@@ -1,68 +1,61 @@
-"""The per-plan state the action expert's fast path writes into.
+"""The per-plan state the action expert's fast path attends over: paged K/V and a block table.
 
-`ActionExpertModel.prepare(cache)` copies a prefix cache once into an ExpertState: K/V buffers
-with spare columns for the W action tokens, plus the action tokens' RoPE. Each flow step then
-rewrites only those W columns (`velocity_prepared`). This module owns the buffers' layout
-(prefix, padding, action columns, mask channels); the model only projects and attends.
+`ActionExpertModel.prepare(cache)` (or a sampler's persistent state, refilled per plan by
+`load_state`) copies a prefix cache once into blocks of PAGE tokens per layer; each flow step
+then writes only the W action tokens' K/V into their slots and attends through PagedKV
+(expert_attention.py), with no mask:
 
-It imports nothing from expert.py, so the model can build and fill states without an
-import cycle; the layer type below is for annotations only.
+- a row's keys are its block-table blocks in order, of which the first `lengths[n]` count:
+  its kept prefix columns, then its W action tokens. Columns no action token may attend (a
+  stop gap, padding, invalid columns) are simply not copied, so nothing needs masking, and the
+  capacity beyond a row's length is never read: one state (and one CUDA graph) serves every
+  plan that fits it, whatever its prefix length.
+- samples of one prompt (a shared state) point at the same blocks for the prompt's full
+  blocks; the prompt's partial last block is copied into each row's own blocks, followed by
+  the row's own columns. The prompt is held, and read per layer, once.
+
+The state's tensors keep their addresses across loads (a captured graph holds them); load_*
+rewrites their contents.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 
-if TYPE_CHECKING:
-    from alpamayo_ros.core.expert import ExpertLayer
+from alpamayo_ros.core.expert_attention import PAGE, PagedKV, fa3_varlen
 
-#: Extra query/key channels that carry the mask of a masked ExpertState. Flash attention takes
-#: no mask, but q.k over [q, 1, 0, ...] and [k, bias, 0, ...] adds `bias` to every score of
-#: that key: 0 where attended, the dtype's minimum where blocked. 8 keeps the head size a
-#: multiple of 8, as flash kernels need.
-MASK_CHANNELS = 8
 
-#: SDPA backends of the prepared path, in order of preference. Flash first: its split-KV
-#: kernel spreads 8 kv heads x 256 folded queries over all SMs; the cuDNN kernel PyTorch
-#: prefers on Hopper took twice as long on an H200 (bench/EXPERT.md: 23 vs 46 us a layer).
-PREPARED_ATTENTION = [
-    SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
+def _blocks(columns: int) -> int:
+    return -(-columns // PAGE)
 
 
 @dataclass
 class ExpertState:
-    """Attention inputs of one plan, in buffers of which each step rewrites only W columns.
+    """Paged K/V of one plan's rows (see the module docstring).
 
-    keys/values: per expert layer (N, Hkv, C, Dk). Columns [0, T) hold the prefix cache,
-        [C - W, C) the current step's action tokens, [T, C - W) padding; C (capacity) may
-        exceed T + W, so one state (and one CUDA graph) serves plans of many lengths.
-    cos/sin: (N, 1, W, D) RoPE of the action tokens, in the model dtype.
-    query_pad: None if nothing is masked (Dk = D). Else the row [1, 0, ...] of MASK_CHANNELS
-        appended to every query; Dk = D + MASK_CHANNELS and keys[..., D] is the mask bias.
-
-    A shared state (samples of one prompt, see PrefixCache.shared_keys) keeps the common
-    prefix once: shared_keys/shared_values per layer (1, Hkv, S, D), exactly S columns, so
-    nothing there needs a mask (query_pad is None). keys/values are then (N, Hkv, C, D),
-    each row's own columns, padding and action columns, masked by own_bias (N, 1, 1, C) in
-    the model dtype (0 = attended, else the dtype's minimum).
+    k_blocks/v_blocks: per expert layer (blocks, PAGE, Hkv, D). The first `shared // PAGE`
+        blocks hold a shared prompt's full blocks (none in a plain state); then each row owns
+        `own_blocks` consecutive blocks.
+    block_table: (N, shared // PAGE + own_blocks) int32; lengths: (N,) int32 keys per row
+        (action tokens included); slots: (N*W,) int64, the action tokens' flat slots.
+    cu_seqlens_q: (N+1,) int32, W queries per row. cos/sin: (N, W, 1, D) action-token RoPE.
+    capacity: key columns each row may use past the shared blocks (its own columns, the W
+        action tokens and padding); shared: prompt columns the shared blocks can hold.
     """
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    k_blocks: list[torch.Tensor]
+    v_blocks: list[torch.Tensor]
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens_q: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    query_pad: torch.Tensor | None
-    shared_keys: list[torch.Tensor] | None = None
-    shared_values: list[torch.Tensor] | None = None
-    own_bias: torch.Tensor | None = None
+    capacity: int
+    shared: int = 0
 
     @classmethod
     def zeros(
@@ -74,188 +67,135 @@ class ExpertState:
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        masked: bool,
         like: torch.Tensor,
+        shared: int = 0,
     ) -> ExpertState:
-        """Zeroed buffers for `rows` rows and `capacity` key columns, on like's device/dtype.
+        """Zeroed buffers for `rows` rows of `capacity` own key columns (+ `shared` shared ones).
 
-        Zeros, not empty memory: padding columns get zero attention weight, and 0 * NaN would
-        still poison the output.
+        Zeros, not empty memory: the attention never reads past a row's length, but a NaN
+        left in a block would still surface in a gathered fallback's masked product.
         """
         if rows < 1:
             raise ValueError(f"rows: must be >= 1, got {rows}")
         if capacity <= n_tokens:
             raise ValueError(f"capacity: must exceed {n_tokens} action tokens, got {capacity}")
+        if shared < 0:
+            raise ValueError(f"shared: must be >= 0, got {shared}")
+        if like.is_cuda:
+            fa3_varlen()  # looked up (and logged) once, outside any compiled region
         factory = {"device": like.device, "dtype": like.dtype}
-        width = head_dim + (MASK_CHANNELS if masked else 0)
-        shape = (rows, num_kv_heads, capacity, width)
-        rope_shape = (rows, 1, n_tokens, head_dim)
-        query_pad = None
-        if masked:
-            query_pad = torch.zeros(MASK_CHANNELS, **factory)
-            query_pad[0] = 1.0
+        shared_blocks = shared // PAGE
+        # a shared prompt's partial last block (< PAGE columns) rides in each row's own blocks
+        own_blocks = _blocks(capacity + (PAGE - 1 if shared else 0))
+        shape = (shared_blocks + rows * own_blocks, PAGE, num_kv_heads, head_dim)
+        ints = {"device": like.device, "dtype": torch.int32}
         return cls(
-            keys=[torch.zeros(shape, **factory) for _ in range(num_layers)],
-            values=[torch.zeros(shape, **factory) for _ in range(num_layers)],
-            cos=torch.zeros(rope_shape, **factory),
-            sin=torch.zeros(rope_shape, **factory),
-            query_pad=query_pad,
+            k_blocks=[torch.zeros(shape, **factory) for _ in range(num_layers)],
+            v_blocks=[torch.zeros(shape, **factory) for _ in range(num_layers)],
+            block_table=torch.zeros(rows, shared_blocks + own_blocks, **ints),
+            lengths=torch.zeros(rows, **ints),
+            slots=torch.zeros(rows * n_tokens, device=like.device, dtype=torch.long),
+            cu_seqlens_q=torch.arange(0, rows * n_tokens + 1, n_tokens, **ints),
+            cos=torch.zeros(rows, n_tokens, 1, head_dim, **factory),
+            sin=torch.zeros(rows, n_tokens, 1, head_dim, **factory),
+            capacity=capacity,
+            shared=shared,
         )
-
-    @classmethod
-    def zeros_shared(
-        cls,
-        *,
-        rows: int,
-        shared: int,
-        capacity: int,
-        n_tokens: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        like: torch.Tensor,
-    ) -> ExpertState:
-        """Zeroed buffers of a shared state (see the class doc) for a prefix of `shared` columns."""
-        if shared < 1:
-            raise ValueError(f"shared: must be >= 1, got {shared}")
-        state = cls.zeros(
-            rows=rows, capacity=capacity, n_tokens=n_tokens, num_layers=num_layers,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, masked=False, like=like,
-        )
-        factory = {"device": like.device, "dtype": like.dtype}
-        shape = (1, num_kv_heads, shared, head_dim)
-        state.shared_keys = [torch.zeros(shape, **factory) for _ in range(num_layers)]
-        state.shared_values = [torch.zeros(shape, **factory) for _ in range(num_layers)]
-        state.own_bias = torch.zeros(rows, 1, 1, capacity, **factory)
-        return state
 
     @property
     def rows(self) -> int:
-        return self.keys[0].shape[0]
+        return self.block_table.shape[0]
 
     @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
+    def n_tokens(self) -> int:
+        return self.cos.shape[1]
 
     @property
-    def shared_length(self) -> int:
-        return 0 if self.shared_keys is None else self.shared_keys[0].shape[2]
+    def own_blocks(self) -> int:
+        return self.block_table.shape[1] - self.shared // PAGE
 
-    def load_shared(
-        self,
-        shared_keys: Sequence[torch.Tensor],
-        shared_values: Sequence[torch.Tensor],
-        keys: Sequence[torch.Tensor],
-        values: Sequence[torch.Tensor],
-        blocked: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> None:
-        """Write a shared-prefix cache: its S common columns once, each row's own columns.
+    def layers(self) -> list[PagedKV]:
+        """Per expert layer, the K/V source ExpertAttention attends through."""
+        meta = (self.block_table, self.lengths, self.slots, self.cu_seqlens_q, self.shared > 0)
+        return [PagedKV(k, v, *meta) for k, v in zip(self.k_blocks, self.v_blocks)]
 
-        shared_*: per layer (1, Hkv, S, D); keys/values: per layer (N, Hkv, T - S, D);
-        blocked: (N, T) bool as in load_rows, which must leave the common columns open.
-        """
-        if self.shared_keys is None:
-            raise ValueError("state: not a shared state; allocate it with new_state(..., shared=...)")
-        shared = shared_keys[0].shape[2]
-        n_rows, _, length, _ = keys[0].shape
-        n_tokens = self.cos.shape[2]
-        spare = self.capacity - n_tokens
-        if shared != self.shared_length or length > spare:
-            raise ValueError(
-                f"cache: {shared} shared + {length} own tokens do not fit the state's"
-                f" {self.shared_length} shared + {spare} own columns"
-            )
-        if n_rows != self.rows:
-            raise ValueError(f"cache: {n_rows} rows for a state of {self.rows} rows")
-        if bool(blocked[:, :shared].any()):
-            raise ValueError("cache: a shared column is blocked for some row (offset or valid inside the shared part)")
-        own_blocked = F.pad(blocked[:, shared:], (0, self.capacity - length))
-        own_blocked[:, length:spare] = True  # padding
-        self.own_bias.zero_().masked_fill_(own_blocked[:, None, None, :], torch.finfo(self.own_bias.dtype).min)
-        layers = zip(self.shared_keys, self.shared_values, self.keys, self.values, shared_keys, shared_values, keys, values)
-        for state_sk, state_sv, state_k, state_v, sk, sv, k, v in layers:
-            state_sk.copy_(sk)
-            state_sv.copy_(sv)
-            state_k[:, :, :length] = k
-            state_v[:, :, :length] = v
-        self.cos[:], self.sin[:] = rope
+    def _own_columns(self, rows_at: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, rows_at's own blocks as flat (rows, own_blocks*PAGE, Hkv, D) views."""
+        first = self.shared // PAGE + rows_at.start * self.own_blocks
+        last = first + (rows_at.stop - rows_at.start) * self.own_blocks
+        views = []
+        for k_blocks, v_blocks in zip(self.k_blocks, self.v_blocks):
+            _, _, kv_heads, head_dim = k_blocks.shape
+            flat = (-1, self.own_blocks * PAGE, kv_heads, head_dim)
+            views.append((k_blocks[first:last].view(flat), v_blocks[first:last].view(flat)))
+        return views
 
-    def load_rows(
+    def load(
         self,
         start: int,
         keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor],
-        blocked: torch.Tensor,
+        keep: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        shared_keys: Sequence[torch.Tensor] | None = None,
+        shared_values: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        """Write one cache into rows [start, start + N): its prefix, mask and action RoPE.
+        """Write one cache into rows [start, start + N): its kept columns, lengths and RoPE.
 
-        keys/values: per layer (N, Hkv, T, D), extra layers ignored; blocked: (N, T) bool,
-        True on prefix columns no action token may attend; rope: cos, sin (N, 1, W, D).
-        Rewrites every prefix column and the whole mask channel, so what an earlier, longer
-        plan left in the padding is masked out.
+        keys/values: per layer (N, Hkv, T', D) (extra layers ignored), a row's columns after
+        the shared prompt if shared_keys (per layer (1, Hkv, S, D)) are given, else all T';
+        keep: (N, T') bool on the host, the columns action tokens attend; rope: cos, sin
+        (N, W, 1, D). Host-side bookkeeping only decides where columns go; the copies are
+        one per layer unless a row keeps columns with gaps between them.
         """
-        n_rows, _, length, head_dim = keys[0].shape
-        n_tokens = self.cos.shape[2]
-        spare = self.capacity - n_tokens  # prefix columns + padding
-        if length > spare:
+        n_rows, _, length, _ = keys[0].shape
+        if start + n_rows > self.rows:
+            raise ValueError(f"cache: rows {start}..{start + n_rows - 1} beyond the state's {self.rows} rows")
+        prompt = 0 if shared_keys is None else shared_keys[0].shape[2]
+        if (shared_keys is None) != (self.shared == 0) or prompt > self.shared:
             raise ValueError(
-                f"cache: {length} tokens + {n_tokens} action tokens exceed the state's"
-                f" capacity {self.capacity}"
+                f"cache: a shared prompt of {prompt} columns for a state whose shared blocks hold"
+                f" {self.shared} (a shared state takes exactly one cache with a shared part;"
+                " a plain one none)"
+            )
+        full = prompt // PAGE  # the prompt's full blocks, shared by the rows
+        tail = prompt - full * PAGE  # its partial last block, copied into each row
+        kept = keep.sum(dim=1)
+        if int(kept.max()) + self.n_tokens > self.capacity:
+            raise ValueError(
+                f"cache: {int(kept.max())} kept columns + {self.n_tokens} action tokens exceed the"
+                f" state's capacity {self.capacity}"
             )
         rows_at = slice(start, start + n_rows)
-        bias = None
-        if self.query_pad is not None:
-            dtype = self.cos.dtype
-            blocked = F.pad(blocked, (0, self.capacity - length))
-            blocked[:, length:spare] = True  # padding
-            bias = torch.zeros(n_rows, 1, self.capacity, dtype=dtype, device=blocked.device)
-            bias = bias.masked_fill(blocked[:, None, :], torch.finfo(dtype).min)
-        elif length != spare or bool(blocked.any()):
-            raise ValueError(
-                "state: unmasked, but this cache needs a mask (padding, stop gap or invalid"
-                " columns); allocate it with new_state(..., masked=True)"
-            )
-        for state_keys, state_values, cache_keys, cache_values in zip(
-            self.keys, self.values, keys, values
-        ):
-            state_keys[rows_at, :, :length, :head_dim] = cache_keys
-            state_values[rows_at, :, :length, :head_dim] = cache_values
-            if bias is not None:
-                state_keys[rows_at, :, :, head_dim] = bias
+        # One copy per layer when every row keeps a leading run of columns (the stop gap and
+        # padding are trailing) and all of them fit; else row by row, kept columns only.
+        contiguous = tail + length <= self.own_blocks * PAGE and bool(
+            (keep == (torch.arange(length)[None, :] < kept[:, None])).all()
+        )
+        own = self._own_columns(rows_at)
+        for layer, (k_own, v_own) in enumerate(own):
+            k_blocks, v_blocks = self.k_blocks[layer], self.v_blocks[layer]
+            if shared_keys is not None:
+                for blocks, source, flat in ((k_blocks, shared_keys[layer], k_own), (v_blocks, shared_values[layer], v_own)):
+                    prompt_columns = source[0].transpose(0, 1)  # (S, Hkv, D)
+                    blocks[:full].view(full * PAGE, *blocks.shape[2:]).copy_(prompt_columns[: full * PAGE])
+                    flat[:, :tail] = prompt_columns[full * PAGE :]
+            for flat, source in ((k_own, keys[layer]), (v_own, values[layer])):
+                columns = source.transpose(1, 2)  # (N, T', Hkv, D)
+                if contiguous:
+                    flat[:, tail : tail + length] = columns
+                    continue
+                for row in range(n_rows):
+                    index = keep[row].nonzero()[:, 0].to(columns.device)
+                    flat[row, tail : tail + index.numel()] = columns[row].index_select(0, index)
+        used = tail + kept  # own columns before the action tokens
+        own_start = self.shared // PAGE + torch.arange(start, start + n_rows) * self.own_blocks
+        table = torch.zeros(n_rows, self.block_table.shape[1], dtype=torch.int32)
+        table[:, :full] = torch.arange(full)
+        table[:, full : full + self.own_blocks] = own_start[:, None] + torch.arange(self.own_blocks)
+        slots = (own_start * PAGE + used)[:, None] + torch.arange(self.n_tokens)
+        device = self.lengths.device
+        self.block_table[rows_at] = table.to(device)
+        self.lengths[rows_at] = (full * PAGE + used + self.n_tokens).to(device=device, dtype=torch.int32)
+        self.slots[start * self.n_tokens : (start + n_rows) * self.n_tokens] = slots.reshape(-1).to(device)
         self.cos[rows_at], self.sin[rows_at] = rope
-
-
-def prepared_layer_step(
-    layer: ExpertLayer,
-    h: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    query_pad: torch.Tensor | None,
-) -> torch.Tensor:
-    """One layer over one ExpertState layer.
-
-    A plain function of the layer, so that one torch.compile of it serves every layer (they
-    differ only in weights); see ExpertModel.forward_prepared.
-    """
-    return layer.forward_prepared(h, rope, keys, values, query_pad)
-
-
-def shared_layer_step(
-    layer: ExpertLayer,
-    h: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    shared_keys: torch.Tensor,
-    shared_values: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    own_bias: torch.Tensor,
-) -> torch.Tensor:
-    """One layer over one shared ExpertState layer (see prepared_layer_step)."""
-    return layer.forward_shared(h, rope, shared_keys, shared_values, keys, values, own_bias)
-
-
-#: prepared_layer_step or a compiled twin of it (same arguments).
-LayerStep = Callable[..., torch.Tensor]

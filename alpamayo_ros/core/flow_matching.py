@@ -6,7 +6,7 @@ seed fully determines a plan and parallel pipelines cannot disturb each other's 
 
 `sample` integrates any velocity function (the reference). `ExpertSampler` runs the same
 integration over the action expert the fast way: prefix caches copied once into persistent,
-length-bucketed ExpertStates, and on CUDA every step of the loop replayed as one CUDA graph.
+length-bucketed paged ExpertStates, and on CUDA the whole loop replayed as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from alpamayo_ros.core.backbone import PrefixCache
-from alpamayo_ros.core.expert import ActionExpertModel
-from alpamayo_ros.core.expert_state import ExpertState, LayerStep, prepared_layer_step, shared_layer_step
+from alpamayo_ros.core.expert import ActionExpertModel, LayerStep, layer_step
+from alpamayo_ros.core.expert_state import ExpertState
 from alpamayo_ros.core.types import NUM_WAYPOINTS, PlanCancelled
 
 logger = logging.getLogger(__name__)
@@ -142,18 +142,14 @@ class _Runner:
 class ExpertSampler:
     """`sample` over the action expert, fast: one persistent state and CUDA graph per shape.
 
-    A plan's prefix length T is rounded up to a bucket, T + 64 <= capacity = k * bucket, and
-    the padding columns are masked, so one captured graph serves every plan of that bucket
-    and row count (bucket=1: exact lengths, unmasked when nothing else needs a mask). A
-    guided plan runs conditional and route-free rows as one batch, so each step reads the
-    weights once. Graphs are captured lazily on first use of a shape and kept (about 1 s);
+    A plan's own columns (prefix past any shared prompt, + 64 action tokens) are rounded up
+    to a bucket, capacity = k * bucket, and a shared prompt's length too: the attention reads
+    each row's used length only (expert_state.py), so one captured graph serves every plan of
+    that bucket and row count, with nothing masked. A guided plan runs conditional and
+    route-free rows as one batch, so each step reads the weights once. Samples of one prompt
+    (a cache with a shared part) keep the prompt once; their own columns are rounded up to
+    min(bucket, 64). Graphs are captured lazily on first use of a shape and kept (about 1 s);
     on CPU (or with cuda_graphs=False) the same states run eagerly.
-
-    A cache of several rows with a shared part (samples of one prompt) runs in a shared
-    state: the common prefix is held and read once for all rows, at its exact length (the
-    prompt's length changes only with the route text or the cameras), and each row's own
-    columns are rounded up to a multiple of min(bucket, 64) and masked exactly. One row
-    runs in a plain state (nothing to share).
 
     compile_layers: torch.compile the layer step (fuses the norms, RoPE and K/V writes; 30%
     faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
@@ -185,21 +181,21 @@ class ExpertSampler:
         self.bucket = bucket
         self.device = expert.expert.norm.weight.device
         self.uses_cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._layer_step: LayerStep = prepared_layer_step
-        self._shared_step: LayerStep = shared_layer_step
-        if compile_layers:
-            # One compile serves all layers: they differ only in weights, which are inputs.
-            self._layer_step = torch.compile(prepared_layer_step, fullgraph=True, dynamic=False)
-            self._shared_step = torch.compile(shared_layer_step, fullgraph=True, dynamic=False)
+        # One compile serves all layers: they differ only in weights, which are inputs.
+        self._step: LayerStep = (
+            torch.compile(layer_step, fullgraph=True, dynamic=False) if compile_layers else layer_step
+        )
         # Least recently used shape first; bounded so a long-running node with varying prompt
         # lengths keeps at most max_shapes states (and graphs) alive.
-        self._runners: OrderedDict[tuple[int, int, int, float | None, bool, int], _Runner] = OrderedDict()
+        self._runners: OrderedDict[tuple[int, int, int, float | None, int], _Runner] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.uses_cuda_graphs else None
 
+    def _round(self, columns: int, bucket: int) -> int:
+        return -(-columns // bucket) * bucket
+
     def capacity_for(self, length: int) -> int:
-        """Key columns of the state for a prefix of `length` tokens."""
-        needed = length + self.expert.config.n_waypoints
-        return -(-needed // self.bucket) * self.bucket
+        """Own key columns of the state for a prefix of `length` tokens (no shared prompt)."""
+        return self._round(length + self.expert.config.n_waypoints, self.bucket)
 
     @torch.inference_mode()
     def sample(
@@ -237,28 +233,23 @@ class ExpertSampler:
             init_noise=init_noise, device=self.device,
         )
         weight = None if uncond_cache is None else guidance_weight
-        shared = None
+        shared = 0
         if cache.shared_keys is not None:
-            shared = cache.shared_length
-            own_bucket = min(self.bucket, 64)
-            own = cache.length - shared + self.expert.config.n_waypoints
-            capacity = -(-own // own_bucket) * own_bucket
-            masked = False
+            shared = self._round(cache.shared_length, self.bucket)
+            own = cache.length - cache.shared_length + self.expert.config.n_waypoints
+            capacity = self._round(own, min(self.bucket, 64))
         else:
             capacity = self.capacity_for(max(c.length for c in caches))
-            masked = self.bucket > 1 or any(self._needs_mask(c, capacity) for c in caches)
-        key = (capacity, rows, steps, weight, masked, shared or 0)
+        key = (capacity, rows, steps, weight, shared)
         runner = self._runners.get(key)
         fresh = runner is None
         if fresh:
-            state = self.expert.new_state(
-                rows * len(caches), capacity, masked=masked, shared=shared
-            )
+            state = self.expert.new_state(rows * len(caches), capacity, shared=shared)
             runner = _Runner(state=state, x0=torch.zeros_like(x0))
             self._runners[key] = runner
             if len(self._runners) > self.max_shapes:
                 self._runners.popitem(last=False)
-            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, mask, shared)")
+            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, shared)")
         else:
             self._runners.move_to_end(key)
         self.expert.load_state(runner.state, caches)
@@ -270,26 +261,17 @@ class ExpertSampler:
         runner.graph.replay()
         return runner.output.clone()
 
-    def _needs_mask(self, cache: PrefixCache, capacity: int) -> bool:
-        # The only host sync of a plan, and only for bucket=1: is any prefix column blocked?
-        if cache.length + self.expert.config.n_waypoints != capacity:
-            return True
-        offsets_full = bool((cache.offsets.cpu() >= cache.length).all())
-        return not offsets_full or (cache.valid is not None and not bool(cache.valid.all()))
-
     def _integrate(
         self, state: ExpertState, x0: torch.Tensor, steps: int, weight: float | None
     ) -> torch.Tensor:
         """Euler loop over a loaded state; guided rows ride along in the same batch."""
 
-        step = self._layer_step if state.shared_keys is None else self._shared_step
-
         def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if self.stop is not None and self.stop.is_set():  # a host check, never captured
                 raise PlanCancelled("flow matching cancelled: the pipeline is stopping")
             if weight is None:
-                return self.expert.velocity_prepared(x, t, state, layer_step=step)
-            both = self.expert.velocity_prepared(torch.cat([x, x]), torch.cat([t, t]), state, layer_step=step)
+                return self.expert.velocity_prepared(x, t, state, step=self._step)
+            both = self.expert.velocity_prepared(torch.cat([x, x]), torch.cat([t, t]), state, step=self._step)
             conditional, unguided = both.chunk(2)
             return guide(conditional, unguided, weight)
 

@@ -1,0 +1,208 @@
+"""Where an expert layer's queries find their keys: the two K/V sources of ExpertAttention.
+
+ExpertAttention projects and rotates q, k, v once and hands them to a K/V source, which stores
+the action tokens' K/V where it keeps the prefix and attends:
+
+- `ConcatKV`, the reference (upstream's append-then-crop): the backbone cache layer is
+  concatenated with the action K/V on every call and masked by an additive 4D mask, in the
+  plainest SDPA call; the tests' and benches' oracle.
+- `PagedKV`, the fast path: one layer of an ExpertState (expert_state.py), K/V in blocks of
+  PAGE tokens, rows that share a prompt pointing at the same blocks through a block table, and
+  each row's used length given; the action K/V are written into their slots in place. On an
+  H100/H200 with vLLM's FlashAttention-3 at hand, one varlen FA3 call reads the blocks where
+  they lie (no mask: a row's length cuts its padding, stop gap and spare columns off); elsewhere
+  the blocks are gathered and attended with a length mask (same numbers, slower).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+#: Tokens per K/V block of an ExpertState (FA3 reads paged K/V in blocks of this size).
+PAGE = 16
+
+_FA3: Any = None  # vllm_flash_attn's varlen entry point, once looked up
+_FA3_CHECKED = False
+
+
+def fa3_varlen() -> Any:
+    """vLLM's FlashAttention-3 varlen function, or None where it cannot run (logged once)."""
+    global _FA3, _FA3_CHECKED
+    if not _FA3_CHECKED:
+        _FA3_CHECKED = True
+        reason = None
+        try:
+            from vllm.vllm_flash_attn.flash_attn_interface import (
+                flash_attn_varlen_func,
+                fa_version_unsupported_reason,
+                is_fa_version_supported,
+            )
+
+            if torch.cuda.is_available() and is_fa_version_supported(3):
+                _FA3 = flash_attn_varlen_func
+            else:
+                reason = fa_version_unsupported_reason(3) if torch.cuda.is_available() else "no CUDA device"
+        except ImportError as error:
+            reason = f"vllm.vllm_flash_attn not importable ({error})"
+        if reason is not None:
+            logger.info(f"expert attention: FlashAttention-3 unavailable ({reason}); gathered K/V + SDPA")
+    return _FA3
+
+
+def _write_slots(k_blocks: torch.Tensor, v_blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The action tokens' K/V (N*L, Hkv, D) into their slots of the flattened blocks."""
+    k_blocks.view(-1, *k_blocks.shape[2:])[slots] = k
+    v_blocks.view(-1, *v_blocks.shape[2:])[slots] = v
+
+
+def _as_rows(blocks: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Blocks of rows that share none, as one (N, width*PAGE, Hkv, D) batch (see paged_attention)."""
+    return blocks[: rows * width].view(rows, width * PAGE, *blocks.shape[2:])
+
+
+@torch.library.custom_op("alpamayo::fa3_paged_attention", mutates_args=("k_blocks", "v_blocks"))
+def _fa3_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    shared: bool,
+    num_splits: int,
+) -> torch.Tensor:
+    # Opaque to torch.compile, the slot writes included: traced, the writes into the blocks made
+    # inductor copy the whole blocks twice per layer (8 ms a 1-row call on an H200), and FA3's
+    # own op has no fake implementation to trace with.
+    _write_slots(k_blocks, v_blocks, slots, k, v)
+    rows, width = block_table.shape
+    if not shared:
+        k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
+    return _FA3(
+        q, k_blocks, v_blocks, q.shape[0] // rows, cu_seqlens_q, width * PAGE, seqused_k=lengths,
+        block_table=block_table if shared else None, softmax_scale=scale, fa_version=3,
+        num_splits=num_splits,
+    )
+
+
+@_fa3_paged_attention.register_fake
+def _(q, k, v, k_blocks, v_blocks, slots, block_table, lengths, cu_seqlens_q, scale, shared, num_splits):
+    return torch.empty_like(q)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    shared: bool,
+) -> torch.Tensor:
+    """Write the action K/V k, v (N*L, Hkv, D) into `slots`, then attend q (N*L, H, D), L
+    queries per row, to each row's first lengths[n] paged keys.
+
+    k_blocks/v_blocks: (blocks, PAGE, Hkv, D); block_table: (N, width) int32, the blocks of
+    row n in order; lengths: (N,) int32. shared: rows share blocks; if not, row n's blocks are
+    n*width .. (n+1)*width - 1, and the blocks are read as one (N, width*PAGE, Hkv, D) batch
+    (FA3 runs faster without a block table: bench/EXPERT.md). Returns (N*L, H, D).
+    """
+    rows, width = block_table.shape
+    queries = q.shape[0] // rows
+    # _FA3, not fa3_varlen(): this runs inside torch.compile, which must not trace the import;
+    # ExpertState.zeros looks FA3 up on a CUDA device before any state is attended.
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _FA3 is not None:
+        # One split per tile at 16 rows (1,024 queries fill the SMs); FA3's heuristic for 1 row
+        # (bench/EXPERT.md: 93.7 against 100.2 us at 16 rows, 19.7 either way at 1 row).
+        splits = 1 if q.shape[0] >= 512 else 0
+        return _fa3_paged_attention(
+            q, k, v, k_blocks, v_blocks, slots, block_table, lengths, cu_seqlens_q, scale, shared, splits
+        )
+    _write_slots(k_blocks, v_blocks, slots, k, v)
+    kv_heads, head_dim = k_blocks.shape[2:]
+    if shared:
+        k_blocks = k_blocks[block_table].flatten(1, 2)  # (N, width*PAGE, Hkv, D)
+        v_blocks = v_blocks[block_table].flatten(1, 2)
+    else:
+        k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
+    heads = q.shape[1]
+    folded = q.view(rows, queries, heads, head_dim).transpose(1, 2).reshape(rows, kv_heads, -1, head_dim)
+    keys, values = k_blocks.transpose(1, 2), v_blocks.transpose(1, 2)  # (N, Hkv, width*PAGE, D)
+    if q.device.type == "cpu":
+        # Never graphed here, so each row attends to exactly its keys: SDPA's CPU kernel rounds
+        # differently with trailing masked columns, and without them a row gives the reference's
+        # result bit for bit (a chaotic 10-step flow amplifies any rounding ~400x a step).
+        out = torch.cat([
+            F.scaled_dot_product_attention(folded[n : n + 1], keys[n : n + 1, :, :used], values[n : n + 1, :, :used], scale=scale)
+            for n, used in enumerate(lengths.tolist())
+        ])
+    else:
+        blocked = torch.arange(width * PAGE, device=q.device)[None, :] >= lengths[:, None].long()
+        bias = torch.zeros(rows, 1, 1, width * PAGE, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(blocked[:, None, None, :], torch.finfo(q.dtype).min)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)
+    return out.reshape(rows, heads, queries, head_dim).transpose(1, 2).reshape(rows * queries, heads, head_dim)
+
+
+@dataclass
+class PagedKV:
+    """One layer of an ExpertState as seen by ExpertAttention (see the module docstring).
+
+    slots: (N*L,) int64, where the action tokens' K/V go in the flattened blocks; shared:
+    whether rows share blocks (see paged_attention).
+    """
+
+    k_blocks: torch.Tensor
+    v_blocks: torch.Tensor
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    shared: bool
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
+        rows, length, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        out = paged_attention(
+            q.reshape(rows * length, heads, head_dim), k.reshape(-1, kv_heads, head_dim),
+            v.reshape(-1, kv_heads, head_dim), self.k_blocks, self.v_blocks, self.slots,
+            self.block_table, self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.shared,
+        )
+        return out.view(rows, length, heads, head_dim)
+
+
+@dataclass
+class ConcatKV:
+    """One backbone cache layer for the reference path: past K/V (N, Hkv, T, D) and the
+    additive mask folded for GQA, (N, 1, groups*L, T+L) in the model dtype."""
+
+    past_key: torch.Tensor
+    past_value: torch.Tensor
+    folded_mask: torch.Tensor
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (N, L, H, D), k/v (N, L, Hkv, D) -> (N, L, H, D), the action K/V appended."""
+        rows, length, heads, head_dim = q.shape
+        keys = torch.cat([self.past_key.to(k.dtype), k.transpose(1, 2)], dim=2)  # (N, Hkv, T+L, D)
+        values = torch.cat([self.past_value.to(v.dtype), v.transpose(1, 2)], dim=2)
+        # GQA without copying K/V per query head: the query heads sharing a kv head are stacked
+        # along the query axis, and the mask is shared by all of them.
+        folded = q.transpose(1, 2).reshape(rows, keys.shape[1], -1, head_dim)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=self.folded_mask, scale=head_dim**-0.5)
+        return out.reshape(rows, heads, length, head_dim).transpose(1, 2)
