@@ -37,6 +37,7 @@ SELECTIONS = ("first", "medoid", "all")
 OUTPUT_FRAMES = ("ego", "odom")
 TRIGGERS = ("timer", "frames")
 BACKENDS = ("hf", "vllm", "remote")
+SPECULATION_METHODS = ("none", "plans", "ngram")  # core.backbone_vllm.SPECULATION_METHODS (torch-free here)
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -149,6 +150,14 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ),
     ParamSpec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
     ParamSpec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
+    # speculative reasoning (core/vllm_adapter/speculation.py; EngineOptions checks the same)
+    ParamSpec(
+        "vllm.speculation.method",
+        "none",
+        "Speculative reasoning: plans (draft from the reasoning of the last plans), ngram (vLLM's lookup in the row's own prompt and output) or none. Drafts are verified by the model, so plans are unchanged; model.backend vllm with tensor_parallel_size 1 only.",
+        choices=SPECULATION_METHODS,
+    ),
+    ParamSpec("vllm.speculation.draft_tokens", 4, 'Tokens drafted per decode step when vllm.speculation.method is not none.', minimum=1, maximum=16),
     # cameras
     ParamSpec(
         "cameras.topics",
@@ -513,7 +522,20 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         "tensor_parallel_size": v["vllm.tensor_parallel_size"],
         "enforce_eager": v["vllm.enforce_eager"],
         "quantization": v["vllm.quantization"] or None,
+        "speculation_method": v["vllm.speculation.method"],
+        "speculation_draft_tokens": v["vllm.speculation.draft_tokens"],
     }
+    if v["vllm.speculation.method"] != "none":
+        if v["model.backend"] != "vllm":
+            raise ParameterError(
+                "vllm.speculation.method",
+                f"{v['vllm.speculation.method']!r} needs model.backend vllm, got {v['model.backend']!r} "
+                "(a remote server speculates by its own setting)",
+            )
+        if v["vllm.tensor_parallel_size"] > 1:
+            raise ParameterError(
+                "vllm.speculation.method", "speculation runs only with vllm.tensor_parallel_size 1"
+            )
     return DriveSettings(
         checkpoint_path=checkpoint,
         backend=v["model.backend"],

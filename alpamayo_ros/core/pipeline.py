@@ -252,6 +252,8 @@ class Pipeline:
             curvature_per_m=curvature.numpy(),
             within_bounds=self.action_space.is_within_bounds(action).numpy(),
             reasoning_closed=[closed for _, closed in reasoning],
+            drafted_tokens=rollout.drafted_tokens,
+            accepted_tokens=rollout.accepted_tokens,
         )
 
     def _check_stop(self) -> None:

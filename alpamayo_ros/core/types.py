@@ -140,6 +140,10 @@ class Plan:
     curvature_per_m: np.ndarray | None = None
     within_bounds: np.ndarray | None = None
     reasoning_closed: list[bool] = field(default_factory=list)  # per sample: False = coc cut at the token budget
+    # speculative reasoning (vllm.speculation), summed over the samples: draft tokens the
+    # model verified, and how many of them it accepted (0 and 0 with speculation off)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def yaw(self) -> np.ndarray:

