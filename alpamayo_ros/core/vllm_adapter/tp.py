@@ -14,6 +14,9 @@ its 1/N of the backbone's K/V heads. Nothing is gathered to the caller: every wo
 Only small things cross processes: block ids per request, the start noise, the action.
 Every call into the workers is a method of ExpertWorker (vLLM's ``worker_extension_cls``),
 reached with ``LLM.collective_rpc``. N = 1 never imports this module.
+
+Over 400 lines because the worker side and the caller side of one RPC contract belong together:
+split, each half would be unreadable without the other.
 """
 
 from __future__ import annotations
