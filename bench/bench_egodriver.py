@@ -7,8 +7,8 @@ drive loop's assembly, planning, the answer's conversion). The same decoded fram
 history then go to Pipeline.plan in this process, timed the same way. The service runs first and
 is stopped before the in-process model loads, so the two never share the device.
 
-    python bench/bench_egodriver.py --smoke
-    python bench/bench_egodriver.py --workload W16 --checkpoint /tmp/ckpt --device cuda --backend vllm --runs 50
+    python -m bench.bench_egodriver --smoke
+    python -m bench.bench_egodriver --workload W16 --checkpoint /tmp/ckpt --device cuda --backend vllm --runs 50
 """
 
 from __future__ import annotations

@@ -62,8 +62,10 @@ def pipeline(tiny_checkpoint: Path):
 
     from alpamayo_ros.core.pipeline import Pipeline
 
-    torch.set_num_threads(1)
-    return Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the service's float sums; restored for the worker's later test files
+    yield Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
+    torch.set_num_threads(threads)
 
 
 def drives(record: Path, session: str) -> list[dict]:
@@ -389,12 +391,12 @@ def test_bad_settings_stop_the_service_naming_them(tiny_checkpoint: Path, args: 
 
 
 def test_bench_egodriver_smoke(tmp_path: Path) -> None:
-    """bench/bench_egodriver.py --smoke: both sides timed on the CPU (kept from rotting, not a speed test)."""
+    """python -m bench.bench_egodriver --smoke: both sides timed on the CPU (kept from rotting, not a speed test)."""
     import subprocess
     import sys
 
     out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, "bench/bench_egodriver.py", "--smoke", "--runs", "2", "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "bench.bench_egodriver", "--smoke", "--runs", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())

@@ -28,9 +28,10 @@ from test_frame_cache import next_window
 # A verified token's K/V comes from a forward over several tokens, a decoded one's from a
 # one-token forward: fp32 GEMMs of other shapes round differently (|dK| ~2e-6 here, and 0 where
 # both forwards had two rows or more), which the flow and the unicycle integration carry out to
-# ~7e-5 m at 45 m. Plans are compared at that rounding level; a rejected draft's K/V read by the
-# expert would be off by the size of K itself.
-XYZ_TOL = 1e-4  # m
+# ~7e-5 m at 45 m with torch's two threads here and 1.5e-4 m with one (the GEMMs' blocking
+# changes the sums). Plans are compared at that rounding level; a rejected draft's K/V read by
+# the expert would be off by the size of K itself, and the K/V themselves are held to KV_TOL.
+XYZ_TOL = 3e-4  # m
 KV_TOL = 1e-5
 MAX_TOKENS = 24
 DRAFT = 4
