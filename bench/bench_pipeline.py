@@ -113,18 +113,23 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)}
 
 
-def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, profile: Path | None = None) -> dict:
-    """Time `runs` plans after `warmup`; per-stage percentiles from Plan.timings_ms.
-
-    profile: then trace one more plan with torch.profiler and write its op tables there.
-    """
-    settings = SamplingSettings(
+def greedy_settings(workload: Workload) -> SamplingSettings:
+    """The workload's sampling: greedy, reasoning forced to its token count, 10 flow steps."""
+    return SamplingSettings(
         num_samples=workload.samples,
         temperature=0.0,
         max_reasoning_tokens=workload.reasoning_tokens,
         min_reasoning_tokens=workload.reasoning_tokens,
         flow_steps=10,
     )
+
+
+def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, profile: Path | None = None) -> dict:
+    """Time `runs` plans after `warmup`; per-stage percentiles from Plan.timings_ms.
+
+    profile: then trace one more plan with torch.profiler and write its op tables there.
+    """
+    settings = greedy_settings(workload)
     stages: dict[str, list[float]] = {}
     generated: list[int] = []
     in_use_peak = 0.0
@@ -327,13 +332,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
 
     workload = WORKLOADS[name]
     draft = args.speculation
-    settings = SamplingSettings(
-        num_samples=workload.samples,
-        temperature=0.0,
-        max_reasoning_tokens=workload.reasoning_tokens,
-        min_reasoning_tokens=workload.reasoning_tokens,
-        flow_steps=10,
-    )
+    settings = greedy_settings(workload)
     count = args.warmup + args.runs
     results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft, "regimes": {}}
     if torch.cuda.is_available():
