@@ -71,10 +71,8 @@ def pipeline(tiny_checkpoint: Path):
 
     from alpamayo_ros.core.pipeline import Pipeline
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the service's float sums; restored for the worker's later test files
-    yield Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # the service's float sums (conftest restores the count after this file)
+    return Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
 
 
 def drives(record: Path, session: str) -> list[dict]:
