@@ -17,6 +17,7 @@ import pickle
 import threading
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import grpc
@@ -128,7 +129,7 @@ class Session:
             raise FieldError("camera_image.image_bytes", f"camera {image.logical_id}: {exc}") from None
         camera, stamp_ns = self.camera_map[image.logical_id], int(image.frame_end_us) * NS_PER_US
         with self.lock:
-            self.pending.add_frame(camera, stamp_ns, lambda now_ns: self.loop.on_camera(camera, stamp_ns, rgb, now_ns))
+            self.pending.add_frame(camera, stamp_ns, partial(self.loop.on_camera, camera, stamp_ns, rgb))
 
     def add_egomotion(self, request: RolloutEgoTrajectory) -> None:
         poses = [pose_arrays(pose) for pose in request.trajectory.poses]
@@ -150,7 +151,7 @@ class Session:
             self._last_pose_us = previous
             for stamp_us, xyz, quat in poses:
                 odometry = Odometry(stamp_us * NS_PER_US, ODOMETRY_FRAME, xyz, quat)
-                self.pending.add_pose(odometry.stamp_ns, lambda now_ns, o=odometry: self.loop.on_odometry(o, now_ns))
+                self.pending.add_pose(odometry.stamp_ns, partial(self.loop.on_odometry, odometry))
 
     def add_route(self, route: Route) -> None:
         """Checked and counted. Alpamayo 1.5 takes its route as text; AlpaSim sends waypoints (its own
