@@ -210,7 +210,7 @@ class FramePublisher(SensorRig):
             self._log.flush()
 
 
-TEARDOWN_GUARD_S = 10.0  # under the bench's 15 s SIGINT wait (stop_process)
+TEARDOWN_GUARD_S = 10.0  # well under the bench's SIGINT wait for the publisher (STOP_TIMEOUT_S)
 
 
 def run_publisher(config_path: Path) -> int:
