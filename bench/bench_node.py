@@ -49,7 +49,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -80,6 +79,7 @@ from alpamayo_ros.core.types import CAMERAS
 from alpamayo_ros.eval.scene import PinholeCamera, Renderer, Road, Vehicle, default_rig
 from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.rostools.processes import TeardownGuard
 from alpamayo_ros.settings import SPECS
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings
 
@@ -210,13 +210,7 @@ class FramePublisher(SensorRig):
             self._log.flush()
 
 
-TEARDOWN_GUARD_S = 10.0  # under the bench's 15 s SIGINT wait (stop_process)
-
-
-def _exit_stalled_teardown() -> None:
-    logger.warning("publisher: ROS teardown still running %.0f s after SIGINT; exiting anyway", TEARDOWN_GUARD_S)
-    logging.shutdown()
-    os._exit(0)
+TEARDOWN_GUARD_S = 10.0  # well under the bench's SIGINT wait for the publisher (STOP_TIMEOUT_S)
 
 
 def run_publisher(config_path: Path) -> int:
@@ -238,11 +232,8 @@ def run_publisher(config_path: Path) -> int:
         rig = FramePublisher(side, cameras, messages, odometry_topic=config["odometry_topic"], log=log).start()
         received = signal.sigwait(stop_signals)
         logger.info("%s: stopping after %d camera ticks", signal.Signals(received).name, len(cameras[0].stamps_ns))
-        # The frames are all published by now: a DDS teardown that stalls (seen once in CI, >15 s)
-        # must not cost the run its figures, so it ends the process, saying so, within 10 s.
-        guard = threading.Timer(TEARDOWN_GUARD_S, _exit_stalled_teardown)
-        guard.daemon = True
-        guard.start()
+        # The frames are all published by now: a stalled DDS teardown must not cost the run its figures.
+        TeardownGuard("publisher", step="ROS teardown").start(TEARDOWN_GUARD_S)
         rig.stop()
         if rig.publishing:
             logger.warning("the publishing thread is still inside publish() after 5 s")

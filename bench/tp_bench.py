@@ -9,8 +9,8 @@ tp<N>.json, and the run given --reference (the TP=1 file) adds the comparison:
 * speed: the workloads of bench_pipeline.py (default W16, W16-s16), per-stage p50/p90/p99,
   with every GPU's memory in use (nvidia-smi) while the engine is up.
 
-    python bench/tp_bench.py --tp 1 --checkpoint /tmp/ckpt --out /tmp/tp1.json
-    python bench/tp_bench.py --tp 2 --checkpoint /tmp/ckpt --out /tmp/tp2.json --reference /tmp/tp1.json
+    python -m bench.tp_bench --tp 1 --checkpoint /tmp/ckpt --out /tmp/tp1.json
+    python -m bench.tp_bench --tp 2 --checkpoint /tmp/ckpt --out /tmp/tp2.json --reference /tmp/tp1.json
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_pipeline import WORKLOADS, print_report, run_backend, synthetic_inputs  # run from bench/'s parent
-
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
 from alpamayo_ros.core.types import SamplingSettings
+from bench.bench_pipeline import WORKLOADS, print_report, run_backend, synthetic_inputs
 
 logger = logging.getLogger("tp_bench")
 

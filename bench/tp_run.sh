@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine (nvidia-h200-x2): tensor parallel TP=2 against TP=1.
 # Unpacks the vLLM bundle as gpu_run.sh does, writes the full-size random checkpoint once,
-# then runs bench/tp_bench.py at TP=1 and at TP=2 (separate processes, one after the other):
+# then runs `python3 -m bench.tp_bench` at TP=1 and at TP=2 (separate processes, one after the other):
 # parity (greedy, exactly 40 tokens, same flow noise) and W16 / W16-s16 per stage. JSON and
 # logs go to $OUT (tp1.json, tp2.json with "vs_reference", gpu.txt, tp*.log). Usage:
 #   bash bench/tp_run.sh                 # W16,W16-s16, RUNS=30
@@ -15,6 +15,6 @@ workloads="${1:-W16,W16-s16}"
 for tp in 1 2; do
   reference=()
   [ "$tp" -gt 1 ] && reference=(--reference "$OUT/tp1.json")
-  python3 bench/tp_bench.py --tp "$tp" --checkpoint /tmp/ckpt --workload "$workloads" --runs "${RUNS:-30}" \
+  python3 -m bench.tp_bench --tp "$tp" --checkpoint /tmp/ckpt --workload "$workloads" --runs "${RUNS:-30}" \
     --out "$OUT/tp$tp.json" "${reference[@]}" 2>&1 | tee "$OUT/tp$tp.log" | grep -v -E "^(INFO|DEBUG|\(Worker)" | tail -60
 done

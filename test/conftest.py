@@ -1,11 +1,17 @@
-"""Session fixtures shared by the whole suite: one tiny random checkpoint and driving inputs."""
+"""Session fixtures shared by the whole suite: one tiny random checkpoint and driving inputs;
+and what keeps test files from changing each other: torch's thread count, SIGINT's handler."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import shutil
 import signal
+import sys
 from pathlib import Path
-from typing import Callable
+from types import ModuleType
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -56,6 +62,49 @@ def make_driving_input() -> Callable[..., DrivingInput]:
         )
 
     return make
+
+
+_TORCH_THREADS_AT_IMPORT: list[int] = []  # torch's thread count as its import set it
+
+
+class _TorchImportWatch(importlib.abc.MetaPathFinder):
+    """Reads torch's thread count right after torch is imported, for a test file that imports it
+    itself. Not by importing torch here: that takes seconds, and the ROS-only files never need it."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once, and the lookup below must find the real torch
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            _TORCH_THREADS_AT_IMPORT.append(module.get_num_threads())
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign] - this spec's own loader
+        return spec
+
+
+if "torch" not in sys.modules:
+    sys.meta_path.insert(0, _TorchImportWatch())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads_restored() -> Iterator[None]:
+    """Every test file leaves torch's thread count as it found it. A file that sets it (to match a
+    child process's float sums) and forgets changes the sums of the worker's later files: one left
+    at 1 moved server-vs-pipeline plans 2.8e-4 m apart."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if before is None and _TORCH_THREADS_AT_IMPORT:  # the file imported torch: as the import set it
+        before = _TORCH_THREADS_AT_IMPORT[0]
+    if torch is not None and before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 def pytest_configure(config: pytest.Config) -> None:

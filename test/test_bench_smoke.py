@@ -44,3 +44,16 @@ def test_bench_smoke_runs_several_samples_per_plan(tmp_path: Path) -> None:
     assert report["samples"] == 3
     assert report["backends"]["hf"]["generated_tokens"] == [8]  # every row forced to 8 tokens
     assert report["backends"]["hf"]["stages_ms"]["expert"]["p50"] > 0
+
+
+def test_tp_bench_runs_as_a_module_of_the_bench_package(tmp_path: Path) -> None:
+    """`python -m bench.tp_bench` (as bench/tp_run.sh runs it on the H200s) imports bench_pipeline
+    through the package and names a bad --workload before it touches a GPU."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.tp_bench", "--tp", "1", "--checkpoint", str(tmp_path / "ckpt"),
+         "--out", str(tmp_path / "tp1.json"), "--workload", "W16,W99"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--workload: unknown ['W99']" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "tp1.json").exists()

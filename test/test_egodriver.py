@@ -24,15 +24,24 @@ from carla_driver_interface.protocol import (DriveRequest, DriveSessionCloseRequ
 from carla_driver_interface.testing import FakeCamera, FakeLoop, render_road
 from PIL import Image
 
+from alpamayo_ros.drive.loop import Planned
+from alpamayo_ros.drive.selection import select_sample
+from alpamayo_ros.inputs.ego_history import MAX_SAMPLES_BUFFERED
+from alpamayo_ros.inputs.frame_sync import MAX_FRAMES_BUFFERED
 from alpamayo_ros.settings import SPECS, sampling_settings
+from alpamayo_ros.sim.cli import build_parser, egodriver_settings, parse_camera_map
 from alpamayo_ros.sim.geometry import to_local, trajectory_arrays
+from alpamayo_ros.sim.loop import SessionLoop
 from alpamayo_ros.sim.process import EgodriverProcess, start_egodriver
 from alpamayo_ros.sim.record import read_plan
+from alpamayo_ros.sim.session import PendingObservations, Session
 
 CAMERAS = (FakeCamera(logical_id="camera_front_wide_120fov", width=320, height=180, fov_deg=90.0),
            FakeCamera(logical_id="camera_front_tele_30fov", width=320, height=180, fov_deg=30.0))  # fmt: skip
 CAMERA_ARGS = ["--camera", "camera_front_wide_120fov=1", "--camera", "camera_front_tele_30fov=6"]
-PARAMS = {"sampling.num_samples": 2, "sampling.max_reasoning_tokens": 8, "sampling.flow_steps": 4}
+# four samples: of two the medoid is always the first, and of the tiny model's three it was too
+PARAMS = {"sampling.num_samples": 4, "sampling.selection": "medoid", "sampling.max_reasoning_tokens": 8,
+          "sampling.flow_steps": 4}
 STEP_US = 100_000
 FIRST_PLAN_STEP = 15  # 1.5 s of odometry history at 10 Hz
 TIMEOUT_S = 120.0
@@ -62,10 +71,8 @@ def pipeline(tiny_checkpoint: Path):
 
     from alpamayo_ros.core.pipeline import Pipeline
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the service's float sums; restored for the worker's later test files
-    yield Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # the service's float sums (conftest restores the count after this file)
+    return Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
 
 
 def drives(record: Path, session: str) -> list[dict]:
@@ -76,8 +83,9 @@ def sessions_in(record: Path) -> set[str]:
     return {p.name for p in record.iterdir() if p.is_dir()}
 
 
-def assert_matches_pipeline(pipeline, npz: Path) -> None:
-    """The answer as sent equals Pipeline.plan on the recorded input, in AlpaSim's local frame."""
+def assert_matches_pipeline(pipeline, npz: Path) -> int:
+    """The answer as sent equals Pipeline.plan on the recorded input, in AlpaSim's local frame, and
+    drives the sample the node's Path would (sampling.selection); returns that sample's index."""
     driving_input, recorded, response = read_plan(npz)
     settings = sampling_settings({**{n: s.default for n, s in SPECS.items()}, **PARAMS})
     plan = pipeline.plan(driving_input, replace(settings, seed=recorded["seed"]))
@@ -88,8 +96,11 @@ def assert_matches_pipeline(pipeline, npz: Path) -> None:
         _, xyz, _ = trajectory_arrays(trajectory)
         expected, _ = to_local(plan.xyz[sample], plan.rot[sample], recorded["xyz_t0"], recorded["rot_t0"])
         np.testing.assert_allclose(xyz[1:], expected, atol=1e-5, rtol=0, err_msg=f"{npz} sample {sample}")
+    selected, _ = select_sample(plan.xyz, PARAMS["sampling.selection"])
+    assert debug["selected_sample"] == selected and debug["reasoning_text"] == plan.coc[selected], npz
     assert trajectory_arrays(response.trajectory)[1].tolist() == trajectory_arrays(
-        response.debug_info.sampled_trajectories[0])[1].tolist()  # fmt: skip
+        response.debug_info.sampled_trajectories[selected])[1].tolist()  # fmt: skip
+    return selected
 
 
 def assert_alpasim_trajectory(line: dict, response) -> None:
@@ -102,7 +113,8 @@ def assert_alpasim_trajectory(line: dict, response) -> None:
 
 def test_fake_loop_drives_two_sessions(service, pipeline) -> None:
     """Acceptance: 2 concurrent sessions, >= 20 drive calls with plans, every answer valid once the
-    inputs suffice, and every plan equal to Pipeline.plan on its input within 1e-5 m."""
+    inputs suffice, every plan equal to Pipeline.plan on its input within 1e-5 m, and every answer
+    the sample the node would publish (the medoid)."""
     process, record = service
     before = sessions_in(record)
     steps = {3: 27, 11: 28}  # seed -> drive calls
@@ -124,7 +136,7 @@ def test_fake_loop_drives_two_sessions(service, pipeline) -> None:
     assert not errors, errors
     new = sessions_in(record) - before
     assert len(new) == 2
-    planned_total = 0
+    planned_total, selected = 0, set()
     for session in new:
         lines = drives(record, session)
         seed = next(s for s in steps if len(lines) == steps[s])
@@ -147,9 +159,10 @@ def test_fake_loop_drives_two_sessions(service, pipeline) -> None:
                 np.testing.assert_allclose(result.ego.positions[line["tick"] + 1],
                                            _interpolate(response.trajectory, line["time_now_us"] + STEP_US),
                                            atol=1e-4)  # fmt: skip
-            assert_matches_pipeline(pipeline, npz)
+            selected.add(assert_matches_pipeline(pipeline, npz))
             planned_total += 1
     assert planned_total >= 20
+    assert selected - {0}, selected  # the medoid, not always the first sample
 
 
 def _interpolate(trajectory, stamp_us: int) -> np.ndarray:
@@ -349,6 +362,73 @@ def test_inputs_equal_the_evaluators_assembly(service, stub, tiny_checkpoint: Pa
     assert compared == len(run.steps) - FIRST_PLAN_STEP
 
 
+def observe_in_process(session: Session, run: ManualRun, k: int) -> None:
+    """ManualRun.observe, straight into a Session (no gRPC)."""
+    now_us, pose = run.steps[k]
+    egomotion = RolloutEgoTrajectory(session_uuid=session.uuid)
+    egomotion.trajectory.poses.append(pose.to_proto_at_time(now_us))
+    session.add_egomotion(egomotion)
+    for camera in CAMERAS:
+        session.add_image(image_request(session.uuid, camera.logical_id, now_us, run.images[k, camera.logical_id]))
+
+
+def test_a_long_session_without_drives_keeps_its_pending_frames_bounded(pipeline, tiny_checkpoint: Path) -> None:
+    """10 s of observations and no drive(): what waits stays within the loop's frame retention,
+    and the drive that comes at last plans from the same input as a twin whose every observation
+    reached its loop (at the same clock), so nothing the loop would have used was dropped."""
+    args = build_parser().parse_args(["--checkpoint", str(tiny_checkpoint), *CAMERA_ARGS,
+                                      *(f"-p{name}={value}" for name, value in PARAMS.items())])  # fmt: skip
+    camera_map = parse_camera_map(args.camera)
+    settings = egodriver_settings(args, camera_map)
+    lock = threading.Lock()
+    hit, twin = (Session(name, SessionLoop(settings, pipeline, lock, seed=9), camera_map, settings.model_id)
+                 for name in ("long", "twin"))  # fmt: skip
+    run = ManualRun(100)
+    last = len(run.steps) - 1
+    last_ns = run.steps[last][0] * 1000
+    kept_frames = (settings.frame_sync.retention_ns // (STEP_US * 1000) + 1) * len(CAMERAS)
+    for k in range(len(run.steps)):
+        observe_in_process(hit, run, k)
+        observe_in_process(twin, run, k)
+        for deliver in twin.pending.take():  # the twin's loop sees everything, at the final drive's clock
+            deliver(last_ns)
+        assert len(hit.pending) <= kept_frames + k + 1, k  # the frames within retention, and the poses so far
+    assert hit.pending.superseded == len(run.steps) * len(CAMERAS) - kept_frames
+    answers = {session.uuid: session.drive(run.steps[last][0]) for session in (hit, twin)}
+    assert len(hit.pending) == 0
+    planned = [answers[name].step.outcome for name in ("long", "twin")]
+    assert all(isinstance(outcome, Planned) for outcome in planned), planned
+    served, expected = (outcome.request.assembly.driving_input for outcome in planned)
+    assert served.t0_ns == expected.t0_ns == last_ns
+    np.testing.assert_array_equal(served.images, expected.images)
+    np.testing.assert_array_equal(served.frame_stamps_ns, expected.frame_stamps_ns)
+    np.testing.assert_array_equal(served.ego_history_xyz, expected.ego_history_xyz)
+    assert answers["long"].response.trajectory == answers["twin"].response.trajectory
+
+
+def test_pending_observations_keep_the_newest_within_the_loops_caps() -> None:
+    """Frames that barely advance (a stuck camera clock) and a flood of poses: the counts stop at
+    the loop's own caps, the newest stay, and they come out in arrival order."""
+    pending = PendingObservations(frame_retention_ns=10**9)
+    delivered: list[tuple[str, int]] = []
+    for i in range(MAX_SAMPLES_BUFFERED + 100):
+        pending.add_pose(i, lambda _now, i=i: delivered.append(("pose", i)))
+        if i % 50 == 0:
+            pending.add_frame(1, 7, lambda _now, i=i: delivered.append(("frame", i)))
+    frames = (MAX_SAMPLES_BUFFERED + 100 + 49) // 50
+    assert len(pending) == MAX_SAMPLES_BUFFERED + MAX_FRAMES_BUFFERED
+    assert pending.superseded == 100 + frames - MAX_FRAMES_BUFFERED
+    for deliver in pending.take():
+        deliver(0)
+    poses = [i for kind, i in delivered if kind == "pose"]
+    assert poses == list(range(100, MAX_SAMPLES_BUFFERED + 100))
+    frame_arrivals = [i for kind, i in delivered if kind == "frame"]
+    assert frame_arrivals == list(range(0, MAX_SAMPLES_BUFFERED + 100, 50))[-MAX_FRAMES_BUFFERED:]
+    order = [i for _, i in delivered]
+    assert order == sorted(order)  # arrival order across the sources
+    assert len(pending) == 0 and pending.take() == []
+
+
 def test_get_version_declares_alpasims_camera_convention(stub) -> None:
     version, call = stub.get_version.with_call(Empty(), timeout=TIMEOUT_S)
     assert version.version_id.startswith("alpamayo_ros-egodriver") and version.grpc_api_version.minor > 0
@@ -378,7 +458,7 @@ def test_sim_demo_reports_a_closed_loop(tiny_checkpoint: Path, tmp_path: Path) -
 @pytest.mark.parametrize(("args", "named"), [
     (["--camera", "camera_front_wide_120fov"], "--camera"),
     (["--camera", "camera_front_wide_120fov=9"], "cameras.indices"),
-    (["-p", "sampling.selection=medoid"], "sampling.selection"),
+    (["-p", "sampling.selection=all"], "sampling.selection"),
     (["-p", "model.backend=remote"], "model.backend"),
 ])  # fmt: skip
 def test_bad_settings_stop_the_service_naming_them(tiny_checkpoint: Path, args: list[str], named: str) -> None:

@@ -122,18 +122,6 @@ def straight(speed: float, lateral: float = 0.0, n: int = 64) -> np.ndarray:
     return np.stack([speed * steps, np.full(n, lateral), np.zeros(n)], axis=-1)
 
 
-def test_sample_selection_policies() -> None:
-    xyz = np.stack([straight(5.0, 3.0), straight(5.0, 0.2), straight(5.0, -0.1), straight(5.0, -0.3)])
-    assert convert.select_sample(xyz, "first")[0] == 0
-    index, scores = convert.select_sample(xyz, "medoid")
-    assert index == 1 or index == 2
-    assert scores[index] == scores.min() and scores[0] == scores.max()
-    assert scores[1] == pytest.approx(2.8 + 0.3 + 0.5)  # summed lateral gaps to the others
-    assert convert.select_sample(xyz, "all")[0] == -1
-    with pytest.raises(ValueError, match="policy"):
-        convert.select_sample(xyz, "best")
-
-
 def random_rotations(count: int) -> np.ndarray:
     quat = RNG.normal(size=(count, 4))
     quat /= np.linalg.norm(quat, axis=1, keepdims=True)

@@ -1,5 +1,6 @@
 """Plan -> ROS messages for the drive node: Path, TrajectorySet and MarkerArray in the configured
-output frame. Decoding incoming images and odometry is ROS-free: alpamayo_ros/inputs/messages.py.
+output frame. Decoding incoming images and odometry is ROS-free: alpamayo_ros/inputs/messages.py;
+so is choosing the sample to drive: alpamayo_ros/drive/selection.py.
 """
 
 from __future__ import annotations
@@ -19,23 +20,6 @@ from alpamayo_ros_msgs.msg import Trajectory, TrajectorySet
 
 def ns_to_stamp(ns: int) -> Time:
     return Time(sec=ns // NS_PER_S, nanosec=ns % NS_PER_S)
-
-
-def select_sample(xyz: np.ndarray, policy: str) -> tuple[int, np.ndarray]:
-    """(selected index or -1 for 'all', per-sample score) for (S, N, 3) waypoints.
-
-    score = summed mean xy distance to every other sample; the medoid has the smallest.
-    """
-    xy = xyz[..., :2].astype(np.float64)
-    pairwise = np.linalg.norm(xy[:, None] - xy[None, :], axis=-1).mean(axis=-1)  # (S, S)
-    scores = pairwise.sum(axis=1)
-    if policy == "first":
-        return 0, scores
-    if policy == "medoid":
-        return int(np.argmin(scores)), scores
-    if policy == "all":
-        return -1, scores
-    raise ValueError(f"policy: {policy!r} is not first, medoid or all")
 
 
 def to_frame(

@@ -25,6 +25,7 @@ from visualization_msgs.msg import MarkerArray
 from alpamayo_ros.core.types import WAYPOINT_DT_S, Plan, SamplingSettings
 from alpamayo_ros.drive.loop import Outcome, Planned
 from alpamayo_ros.drive.scheduler import PlanRequest
+from alpamayo_ros.drive.selection import select_sample
 from alpamayo_ros.ros import convert
 from alpamayo_ros.settings import DriveSettings
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings, TrajectorySet
@@ -81,7 +82,7 @@ class PlanPublisher:
             xyz, rot = convert.to_frame(plan.xyz, plan.rot, None, None)
             header = Header(stamp=stamp, frame_id=settings.ego_frame_id)
             text_position = np.zeros(3)
-        selected, scores = convert.select_sample(plan.xyz, job.selection)
+        selected, scores = select_sample(plan.xyz, job.selection)
         shown = max(selected, 0)
         coc = plan.coc[shown] if plan.coc else ""
         # a text cut at the token budget is still published, marked unclosed

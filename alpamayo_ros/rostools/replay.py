@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,6 +30,7 @@ from rosgraph_msgs.msg import Clock
 
 from alpamayo_ros.eval.bags import kilted_typestore, message_class
 from alpamayo_ros.ros.convert import ns_to_stamp
+from alpamayo_ros.rostools.processes import TeardownGuard, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -129,27 +127,6 @@ class BagPlayer:
                 logger.warning("replay: %s not fully acknowledged after %.1f s", topic, timeout_s)
 
 
-class _ExitGuard:
-    """Ends the process if the work after playback (flush, DDS teardown) outlives its budget.
-
-    The bag is played by then; a DDS peer that vanished mid-handshake must not keep a scripted
-    replay (a test, a CI job) waiting forever. The warning names the step that stalled.
-    """
-
-    def __init__(self) -> None:
-        self.step = "flush"
-
-    def start(self, seconds: float) -> None:
-        timer = threading.Timer(seconds, self._expire, args=(seconds,))
-        timer.daemon = True
-        timer.start()
-
-    def _expire(self, seconds: float) -> None:
-        logger.warning("replay: %s still running %.0f s after playback ended; exiting anyway", self.step, seconds)
-        logging.shutdown()
-        os._exit(0)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Console script: exit code 0 once played (or interrupted); never returns on success."""
     parser = argparse.ArgumentParser(prog="alpamayo-replay", description=__doc__.splitlines()[0])
@@ -169,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rclpy.init(args=["alpamayo_replay", *ros_args], signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node("alpamayo_replay")
     player = None
-    guard = _ExitGuard()
+    guard = TeardownGuard("replay", step="flush")
     try:
         player = BagPlayer(node, args.bag, args.rate, args.topics, args.clock_hz, stopped=lambda: bool(signals))
         if args.wait_timeout > 0:
@@ -192,13 +169,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         # the handlers are ours: rclpy's uninstall would set SIGINT back to the default, and a
         # second Ctrl-C during the exit would kill the process
         rclpy.try_shutdown(uninstall_handlers=False)
-    # All is torn down. The interpreter's own finalization would set SIGINT back to the default
-    # first and then take half a second (measured: 0.5 s, against 10 ms for the teardown above),
-    # in which a second Ctrl-C kills the process (exit -2). End here instead.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # All is torn down; the interpreter's own finalization would take half a second (measured:
+    # 0.5 s, against 10 ms for the teardown above) with SIGINT back at its default.
+    exit_now(0)
 
 
 if __name__ == "__main__":

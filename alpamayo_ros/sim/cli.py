@@ -75,9 +75,9 @@ def egodriver_settings(args: argparse.Namespace, camera_map: dict[str, int]) -> 
                       "cameras.indices": list(camera_map.values()),
                       "cameras.transports": ["compressed"] * len(camera_map)})  # fmt: skip
     settings = parse_settings(settings_values(args.params_file, overrides))
-    if settings.selection != "first":
-        raise ParameterError("sampling.selection", f"{settings.selection!r}: the egodriver answers sample 0 (first); "
-                             "every sample goes out in debug_info.sampled_trajectories")  # fmt: skip
+    if settings.selection == "all":
+        raise ParameterError("sampling.selection", "'all': AlpaSim drives one trajectory, choose first or medoid "
+                             "(every sample goes out in debug_info.sampled_trajectories)")  # fmt: skip
     if settings.remote is not None:
         raise ParameterError("model.backend", "remote is not served here; run the model in this process (hf or vllm)")
     return settings

@@ -79,8 +79,9 @@ class EgodriverService(EgodriverServiceServicer):
                 session = self._sessions.pop(request.session_uuid, None)
             if session is not None:
                 counters = session.loop.loop.counters
-                logger.info("session %s closed: %d plans started, rejected %s", session.uuid, counters.started,
-                            dict(counters.rejected))  # fmt: skip
+                logger.info("session %s closed: %d plans started, rejected %s, %d observations superseded before "
+                            "a drive", session.uuid, counters.started, dict(counters.rejected),
+                            session.pending.superseded)  # fmt: skip
             return Empty()
 
         return self._call(context, close)
