@@ -44,7 +44,7 @@ import torch
 from ..core.frame_cache import FrameCache, frame_keys
 from ..core.preprocess import VisionGeometry, smart_resize
 from ..core.types import DrivingInput, Plan, SamplingSettings
-from .frame_transport import FRAME_TRANSPORTS
+from ..frame_transport import FRAME_TRANSPORTS
 from . import wire
 from .shm import FrameSegment, is_loopback
 
