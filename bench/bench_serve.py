@@ -142,14 +142,15 @@ def print_report(result: dict) -> None:
     """One row per measure (p50 ms; p90 for wall and total), one column per path."""
     paths = ("in_process_ms", *(f"remote_{mode}_ms" for mode in REMOTE_MODES))
     measures = list(dict.fromkeys(measure for path in paths for measure in result[path]))
-    lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {result.get('gpu') or result['device']}), "
-             f"p50 ms", "", "| measure | " + " | ".join(path.removesuffix("_ms") for path in paths) + " |",
+    machine = result.get("gpu") or result["device"]
+    lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {machine}), p50 ms", "", "| measure | " + " | ".join(path.removesuffix("_ms") for path in paths) + " |",
              "| --- |" + " ---: |" * len(paths)]
     for measure in measures:
         cells = []
         for path in paths:
             p = result[path].get(measure)
-            cells.append("" if p is None else f"{p['p50']:.1f}" + (f" (p90 {p['p90']:.1f})" if measure in ("wall", "total") else ""))
+            tail = f" (p90 {p['p90']:.1f})" if p is not None and measure in ("wall", "total") else ""
+            cells.append("" if p is None else f"{p['p50']:.1f}{tail}")
         lines.append(f"| {measure} | " + " | ".join(cells) + " |")
     lines.append("")
     for mode in REMOTE_MODES:

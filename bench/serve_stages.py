@@ -38,7 +38,8 @@ from bench_pipeline import WORKLOADS, synthetic_inputs  # noqa: E402
 STAGES = ("remote.resize", "remote.shm_write", "remote.encode", "serve.parse", "serve.parse_wait", "serve.shm_read",
           "serve.queue", "serve.resize", "preprocess")
 #: The stages that do not overlap: their sum plus the HTTP exchange is the client's wall time.
-DISJOINT = ("remote.resize", "remote.shm_write", "remote.encode", "serve.parse", "serve.queue", "serve.resize", "preprocess")
+DISJOINT = ("remote.resize", "remote.shm_write", "remote.encode", "serve.parse", "serve.queue", "serve.resize",
+            "preprocess")
 MODES = {"shm": {"frame_transport": "shm"}, "delta": {"frame_transport": "resized"}, "full": {"delta": False}}
 
 
@@ -167,8 +168,8 @@ def print_table(columns: dict[str, dict]) -> None:
         cells = [f"{columns[tree]['modes'][mode].get(stage, 0.0):.1f}" for tree, mode in heads]
         name = f"**{stage}** (remote wall - in-process wall)" if stage == "overhead" else stage
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| in-process (frames only) | " + " | ".join(f"{columns[tree]['in_process_ms']:.1f}" for tree, _ in heads)
-                 + " |")
+    local = [f"{columns[tree]['in_process_ms']:.1f}" for tree, _ in heads]
+    lines.append("| in-process (frames only) | " + " | ".join(local) + " |")
     print("\n".join(lines))
     sys.stdout.flush()
 

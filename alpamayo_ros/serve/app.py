@@ -255,8 +255,9 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
                 resize_ms = (time.perf_counter() - dequeued) * 1e3
             plan = pipeline.plan(inputs, settings)
             # serve.shm_read and serve.parse_wait (the hop to and from the parsing thread) are parts of serve.parse
-            plan.timings_ms.update({"serve.parse": (queued - started) * 1e3, "serve.queue": (dequeued - queued) * 1e3,
-                                    "serve.resize": resize_ms, "serve.parse_wait": (queued - started) * 1e3 - parse_ms[0],
+            parsed_ms = (queued - started) * 1e3
+            plan.timings_ms.update({"serve.parse": parsed_ms, "serve.queue": (dequeued - queued) * 1e3,
+                                    "serve.resize": resize_ms, "serve.parse_wait": parsed_ms - parse_ms[0],
                                     "serve.shm_read": capture_size.read_ms if capture_size is not None else 0.0})
             return wire.encode_reply(plan)
 

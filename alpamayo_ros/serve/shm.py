@@ -103,8 +103,8 @@ def _copy_pool() -> ThreadPoolExecutor:
 def _byte_parts(nbytes: int) -> list[tuple[int, int]]:
     """[start, end) ranges that split nbytes over up to _COPY_THREADS threads."""
     count = max(1, min(_COPY_THREADS, nbytes // _COPY_PART_BYTES))
-    step = -(-nbytes // count) if nbytes else 1
-    return [(start, min(start + step, nbytes)) for start in range(0, nbytes, step)] or [(0, 0)]
+    step = max(1, -(-nbytes // count))
+    return [(start, min(start + step, nbytes)) for start in range(0, nbytes, step)]
 
 
 def _run_all(tasks: list[Callable[[], None]]) -> None:

@@ -143,7 +143,8 @@ def encode_request(
     else:
         if sent is None:
             sent = inputs.images.reshape(-1, *inputs.images.shape[2:])[slots]
-        frames = {"session": session, "frame_size": list(sent.shape[1:3]), "sent": pack_array(sent), "sent_slots": slots}
+        frames = {"session": session, "frame_size": list(sent.shape[1:3]), "sent": pack_array(sent),
+                  "sent_slots": slots}
     request = PlanRequest(
         **frames,
         camera_indices=list(inputs.camera_indices),
