@@ -32,10 +32,9 @@ class CaptureSizeFrames:
     """A shared-memory delta's new frames, not yet resized, and where they go once they are.
 
     frames: uint8 (n, H, W, 3), copied out of the client's segment.
-    slots: their slots in the window; keys: their frame-store keys.
+    slots: their slots in the window; keys: their frame-store keys (camera, stamp, size).
     window: uint8 (cameras * frames, h, w, 3), the request's DrivingInput.images (flat): its
         slots hold the referenced frames, and these frames once resize_into() ran.
-    cameras, stamps_ns: each slot's camera index and capture stamp (for the frame cache's keys).
     read_ms: how long copying them out of the segment took.
     """
 
@@ -43,8 +42,6 @@ class CaptureSizeFrames:
     slots: list[int]
     keys: list[FrameKey]
     window: np.ndarray
-    cameras: list[int]
-    stamps_ns: list[int]
     read_ms: float
 
     def resize_into(self, cache: FrameCache, store: FrameStore) -> None:
@@ -57,8 +54,8 @@ class CaptureSizeFrames:
         for row, slot in enumerate(self.slots):
             window[slot].copy_(resized[row].permute(1, 2, 0))
         store.put({key: self.window[slot] for key, slot in zip(self.keys, self.slots)})
-        cache.remember([frame_key(self.cameras[slot], self.stamps_ns[slot], self.window[slot]) for slot in self.slots],
-                       resized)
+        planned_as = [frame_key(key.camera, key.stamp_ns, self.window[slot]) for key, slot in zip(self.keys, self.slots)]
+        cache.remember(planned_as, resized)
 
 
 def parse_plan_request(
@@ -159,8 +156,7 @@ def _delta_window(
         return framed, {keys[slot]: window[slot] for slot in slots}, None
     pending = None
     if slots:
-        pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window,
-                                    [key.camera for key in keys], [key.stamp_ns for key in keys], read_ms)
+        pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window, read_ms)
     return framed, {}, pending
 
 
