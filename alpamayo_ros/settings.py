@@ -27,7 +27,7 @@ from alpamayo_ros.core.types import CAMERAS, FRAMES_PER_CAMERA, NUM_HISTORY_POSE
 from alpamayo_ros.inputs.ego_history import EgoHistoryConfig
 from alpamayo_ros.inputs.frame_sync import FrameSyncConfig
 from alpamayo_ros.inputs.route import DEFAULT_MAX_ROUTE_CHARS
-from alpamayo_ros.serve.frame_transport import FRAME_TRANSPORTS
+from alpamayo_ros.frame_transport import FRAME_TRANSPORTS
 
 NS_PER_S = 1_000_000_000
 RELIABILITIES = ("best_effort", "reliable")

@@ -10,7 +10,8 @@ three client modes against one server: shm (frame delta, new frames at capture s
 shared memory, resized on the server's device), delta (frame delta, new frames resized on the
 client and sent in the body) and full (every frame every plan, resized on the client); plus bytes
 and frames sent per plan and where the direct overhead goes (client resize, shm write and encode,
-server parse, queue and resize, the rest: HTTP both ways).
+server parse, queue and resize, the rest: HTTP both ways), and every stage of the server's
+pipeline beside the in-process one's (preprocess, prompt, backbone.*, expert, action).
 
     python bench/bench_serve.py --smoke
     python bench/bench_serve.py --workload W16 --backend vllm --runs 50 --full-size-dir /tmp/ckpt
@@ -45,15 +46,18 @@ def workload_settings(workload: Workload) -> SamplingSettings:
                             min_reasoning_tokens=workload.reasoning_tokens, flow_steps=10)
 
 
-#: Stages of a remote plan's overhead, as RemotePlanner and the server time them.
+#: Stages of a remote plan's overhead, as RemotePlanner and the server time them (disjoint; the
+#: server's serve.parse_wait and serve.shm_read are parts of serve.parse, reported beside them).
 REMOTE_STAGES = ("remote.resize", "remote.shm_write", "remote.encode", "serve.parse", "serve.queue", "serve.resize")
 #: Client modes, each a RemotePlanner configuration: how a plan's frames travel.
 REMOTE_MODES = {"shm": {"frame_transport": "shm"}, "delta": {"frame_transport": "resized"}, "full": {"delta": False}}
 
 
 def timed_plans(plan, workload: Workload, runs: int, warmup: int, sent=None) -> dict[str, list[float]]:
-    """Wall ms per plan (and the pipeline's own `total`) over the streamed synthetic inputs; for
-    a remote plan also its overhead stages, the rest of it (HTTP) and what sent() counts per plan."""
+    """Wall ms per plan and every stage the plan's timings carry (the pipeline's own, `total`
+    among them, so the server's pipeline can be compared stage by stage with in-process) over the
+    streamed synthetic inputs; for a remote plan also its overhead, the rest of it (HTTP) and what
+    sent() counts per plan."""
     settings = workload_settings(workload)
     stream = synthetic_inputs(workload, seed=0)
     times: dict[str, list[float]] = {"wall": [], "total": []}
@@ -64,13 +68,11 @@ def timed_plans(plan, workload: Workload, runs: int, warmup: int, sent=None) -> 
         wall_ms = (time.perf_counter() - start) * 1e3
         if index < warmup:
             continue
-        times["wall"].append(wall_ms)
-        times["total"].append(result.timings_ms["total"])
-        if sent is None:
-            continue
-        stages = {stage: result.timings_ms[stage] for stage in REMOTE_STAGES}
-        measured = {"overhead": wall_ms - result.timings_ms["total"], **stages, **sent()}
-        measured["http"] = measured["overhead"] - sum(stages.values())
+        measured = {"wall": wall_ms, **{stage: float(value) for stage, value in result.timings_ms.items()
+                                         if isinstance(value, (int, float))}}
+        if sent is not None:
+            measured.update(overhead=wall_ms - result.timings_ms["total"], **sent())
+            measured["http"] = measured["overhead"] - sum(result.timings_ms.get(stage, 0.0) for stage in REMOTE_STAGES)
         for key, value in measured.items():
             times.setdefault(key, []).append(value)
     return times
@@ -137,11 +139,19 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, dtype:
 
 
 def print_report(result: dict) -> None:
-    lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {result.get('gpu') or result['device']})",
-             "", "| path | measure | p50 ms | p90 ms | p99 ms |", "| --- | --- | --- | --- | --- |"]
-    for path in ("in_process_ms", *(f"remote_{mode}_ms" for mode in REMOTE_MODES)):
-        for measure, p in result[path].items():
-            lines.append(f"| {path.removesuffix('_ms')} | {measure} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} |")
+    """One row per measure (p50 ms; p90 for wall and total), one column per path."""
+    paths = ("in_process_ms", *(f"remote_{mode}_ms" for mode in REMOTE_MODES))
+    measures = list(dict.fromkeys(measure for path in paths for measure in result[path]))
+    machine = result.get("gpu") or result["device"]
+    lines = [f"## {result['workload']} remote vs in-process ({result['backend']}, {machine}), p50 ms", "", "| measure | " + " | ".join(path.removesuffix("_ms") for path in paths) + " |",
+             "| --- |" + " ---: |" * len(paths)]
+    for measure in measures:
+        cells = []
+        for path in paths:
+            p = result[path].get(measure)
+            tail = f" (p90 {p['p90']:.1f})" if p is not None and measure in ("wall", "total") else ""
+            cells.append("" if p is None else f"{p['p50']:.1f}{tail}")
+        lines.append(f"| {measure} | " + " | ".join(cells) + " |")
     lines.append("")
     for mode in REMOTE_MODES:
         lines.append(f"{mode}: {result[f'remote_{mode}_frames_sent_p50']:.0f} frames, "

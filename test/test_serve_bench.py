@@ -30,3 +30,29 @@ def test_bench_serve_smoke_reports_remote_overhead(tmp_path: Path) -> None:
     assert report["remote_shm_frames_sent_p50"] == report["remote_delta_frames_sent_p50"] < report["remote_full_frames_sent_p50"]
     assert report["remote_shm_bytes_sent_p50"] < report["remote_delta_bytes_sent_p50"] < report["remote_full_bytes_sent_p50"]
     assert "remote / in-process" in result.stdout
+    # the server's pipeline is timed stage by stage beside the in-process one; shm reads are timed apart
+    for path in ("in_process_ms", "remote_shm_ms", "remote_delta_ms", "remote_full_ms"):
+        assert {"preprocess", "prompt", "backbone", "expert", "action"} <= set(report[path]), path
+    assert 0 < report["remote_shm_ms"]["serve.shm_read"]["p50"] <= report["remote_shm_ms"]["serve.parse"]["p50"]
+
+
+def test_serve_stages_probe_reports_every_stage_of_each_mode(tmp_path: Path) -> None:
+    """bench/serve_stages.py (the model-free probe of the serving path) runs against a baseline
+    tree as well: here this tree twice, so both columns come from the same code."""
+    out = tmp_path / "stages.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serve_stages.py"), "--workload", "smoke", "--runs", "2", "--warmup", "1",
+         "--torch-threads", "1", "--baseline-src", str(ROOT), "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    medians = json.loads(out.read_text())["medians"]
+    assert set(medians) == {"before", "after"}
+    for column in medians.values():
+        assert set(column["modes"]) == {"shm", "delta", "full"} and column["in_process_ms"] > 0
+        shm, delta = column["modes"]["shm"], column["modes"]["delta"]
+        assert shm["remote.shm_write"] > 0 and shm["serve.shm_read"] > 0 and shm["serve.resize"] > 0
+        assert delta["remote.shm_write"] == 0 and delta["serve.resize"] == 0  # resized on the client instead
+        for mode in column["modes"].values():
+            assert mode["wall"] >= mode["preprocess"] > 0
+    assert "**overhead**" in result.stdout

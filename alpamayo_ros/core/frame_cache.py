@@ -19,7 +19,7 @@ import blake3
 import numpy as np
 import torch
 
-from .preprocess import PreprocessedImages, VisionGeometry, preprocess_frames
+from .preprocess import PreprocessedImages, VisionGeometry, resize_nhwc
 from .types import DrivingInput
 
 
@@ -93,8 +93,9 @@ class FrameCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def preprocess(self, frames: np.ndarray, keys: Sequence[str]) -> PreprocessedImages:
-        """uint8 frames (N, H, W, 3) named by keys, resized; only unseen ones are computed."""
+    def preprocess(self, frames: np.ndarray | Sequence[np.ndarray], keys: Sequence[str]) -> PreprocessedImages:
+        """uint8 frames (N, H, W, 3) (or N frames (H, W, 3) of one size) named by keys, resized;
+        only unseen ones are computed."""
         if len(keys) != len(frames):
             raise ValueError(f"keys: {len(keys)} keys for {len(frames)} frames")
         if len(set(keys)) != len(keys):
@@ -104,8 +105,8 @@ class FrameCache:
         self.misses += len(missing)
         fresh: dict[str, torch.Tensor] = {}
         if missing:
-            batch = preprocess_frames(self._upload(frames, missing), self.geometry, keys=[keys[i] for i in missing])
-            fresh = dict(zip(batch.keys, batch.frames.to(self.store_device)))
+            resized = self._resize(frames, missing).to(self.store_device, memory_format=torch.contiguous_format)
+            fresh = dict(zip([keys[i] for i in missing], resized))
         result = PreprocessedImages(
             frames=self._stack([fresh[key] if key in fresh else self._entries[key] for key in keys]),
             geometry=self.geometry,
@@ -115,10 +116,19 @@ class FrameCache:
         return result
 
     def resize(self, frames: np.ndarray) -> torch.Tensor:
-        """uint8 frames (N, H, W, 3) resized on the compute device as preprocess() resizes them,
-        uint8 (N, 3, h, w) there, not cached: for frames whose resized form is kept elsewhere
-        (alpamayo-serve's frame store holds what shared-memory clients sent)."""
-        return preprocess_frames(self._upload(frames, list(range(len(frames)))), self.geometry).frames
+        """uint8 frames (N, H, W, 3) resized on the compute device as preprocess() resizes them:
+        uint8 (N, 3, h, w) there (channels-last on the CPU), not cached yet. For callers that need
+        the resized pixels themselves before planning (alpamayo-serve's frame store keeps the
+        frames shared-memory clients sent); remember() then keeps them for the plan."""
+        return self._resize(frames, list(range(len(frames))))
+
+    def remember(self, keys: Sequence[str], frames: torch.Tensor) -> None:
+        """Keep resized uint8 frames (N, 3, h, w), as resize() returns them, under keys, as if
+        preprocess() had made them: a later preprocess() of these keys resizes nothing."""
+        if len(keys) != len(frames):
+            raise ValueError(f"keys: {len(keys)} keys for {len(frames)} frames")
+        stored = frames.to(self.store_device, memory_format=torch.contiguous_format)
+        self._remember(keys, dict(zip(keys, stored)))
 
     def host_buffer(self, shape: tuple[int, ...]) -> np.ndarray:
         """An uninitialised uint8 host array to fill and hand back to this cache. Next to a GPU it
@@ -137,11 +147,21 @@ class FrameCache:
         out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=True)
         return torch.stack(parts, out=out)
 
-    def _upload(self, frames: np.ndarray, indices: list[int]) -> torch.Tensor:
-        """frames[indices] as one uint8 batch on the compute device, without a host-side gather."""
-        if len(indices) == len(frames):
+    def _resize(self, frames: np.ndarray | Sequence[np.ndarray], indices: list[int]) -> torch.Tensor:
+        """frames[indices] resized on the compute device, uint8 (n, 3, h, w). On the CPU each frame
+        is resized from a view of its own: no gathered copy of the capture-size frames."""
+        if self.compute_device.type != "cpu":
+            return resize_nhwc(self._upload(frames, indices), self.geometry)
+        views = [torch.from_numpy(np.ascontiguousarray(frames[index]))[None] for index in indices]
+        return torch.cat([resize_nhwc(view, self.geometry) for view in views])
+
+    def _upload(self, frames: np.ndarray | Sequence[np.ndarray], indices: list[int]) -> torch.Tensor:
+        """frames[indices] as one uint8 (n, H, W, 3) batch on the compute device, without a
+        host-side gather."""
+        if len(indices) == len(frames) and isinstance(frames, np.ndarray):
             return torch.from_numpy(np.ascontiguousarray(frames)).to(self.compute_device)
-        batch = torch.empty((len(indices), *frames.shape[1:]), dtype=torch.uint8, device=self.compute_device)
+        shape = frames[indices[0]].shape
+        batch = torch.empty((len(indices), *shape), dtype=torch.uint8, device=self.compute_device)
         for row, index in enumerate(indices):
             batch[row].copy_(torch.from_numpy(np.ascontiguousarray(frames[index])))
         return batch

@@ -127,6 +127,8 @@ def resize_frames(frames_nchw: torch.Tensor, size: tuple[int, int]) -> torch.Ten
 
     On CPU torch resizes uint8 natively; elsewhere torchvision goes through float32 with
     clamping and rounding. Following the same two paths keeps CPU results bit-identical.
+    On CPU the result keeps the input's memory layout: torch's uint8 kernel reads channels-last
+    frames (a permuted (N, H, W, 3) batch) as they are, and takes twice as long from NCHW.
     """
     if tuple(frames_nchw.shape[-2:]) == size:
         return frames_nchw
@@ -134,6 +136,23 @@ def resize_frames(frames_nchw: torch.Tensor, size: tuple[int, int]) -> torch.Ten
         return F.interpolate(frames_nchw, size=size, mode="bicubic", align_corners=False, antialias=True)
     resized = F.interpolate(frames_nchw.float(), size=size, mode="bicubic", align_corners=False, antialias=True)
     return resized.clamp_(0, 255).round_().to(torch.uint8)
+
+
+def resize_nhwc(frames: torch.Tensor, geometry: VisionGeometry) -> torch.Tensor:
+    """Resize uint8 (N, H, W, 3) frames for the vision tower: uint8 (N, 3, h, w) on their device,
+    contiguous on a GPU; on the CPU channels-last (pixels in (N, h, w, 3) order, so
+    `.permute(0, 2, 3, 1)` of it is free). The values are the same either way.
+
+    On the CPU the frames are not first copied into NCHW order: that copy and the slower kernel
+    it leads to cost ~3x the resize of full-HD frames (bench/RESULTS.md, "Serving overhead on the
+    CPU"). On a GPU they are, as always, so GPU results stay those of every earlier run.
+    """
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames: expected uint8 (N, H, W, 3), got {frames.dtype} {tuple(frames.shape)}")
+    nchw = frames.permute(0, 3, 1, 2)
+    if nchw.device.type != "cpu":
+        nchw = nchw.contiguous()
+    return resize_frames(nchw, smart_resize(frames.shape[1], frames.shape[2], geometry))
 
 
 def patchify(normalized: torch.Tensor, geometry: VisionGeometry) -> torch.Tensor:
@@ -178,15 +197,11 @@ def preprocess_frames(
     """
     if isinstance(frames, np.ndarray):
         frames = torch.from_numpy(np.ascontiguousarray(frames))
-    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"frames: expected uint8 (N, H, W, 3), got {frames.dtype} {tuple(frames.shape)}")
     if device is not None:
         frames = frames.to(device, non_blocking=True)
-    n, height, width, _ = frames.shape
-    if keys is None:
-        keys = [uuid.uuid4().hex for _ in range(n)]
-    if len(keys) != n:
+    n = frames.shape[0] if frames.ndim else 0
+    if keys is not None and len(keys) != n:
         raise ValueError(f"keys: {len(keys)} keys for {n} frames")
-    size = smart_resize(height, width, geometry)
-    resized = resize_frames(frames.permute(0, 3, 1, 2).contiguous(), size)
+    resized = resize_nhwc(frames, geometry).contiguous()
+    keys = keys if keys is not None else [uuid.uuid4().hex for _ in range(n)]
     return PreprocessedImages(frames=resized, geometry=geometry, keys=tuple(keys))

@@ -236,8 +236,15 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         ensure_ready()  # a delta's frame size is checked against the pipeline's geometry
         body = await request.body()
         started = time.perf_counter()
-        inputs, settings, capture_size = await run_in_threadpool(
-            parse_plan_request, body, options.limits, store, worker.pipeline.frames, options.allow_shm)
+        parse_ms = [0.0]
+
+        def parse() -> tuple:
+            begun = time.perf_counter()
+            parsed = parse_plan_request(body, options.limits, store, worker.pipeline.frames, options.allow_shm)
+            parse_ms[0] = (time.perf_counter() - begun) * 1e3
+            return parsed
+
+        inputs, settings, capture_size = await run_in_threadpool(parse)
         queued = time.perf_counter()
 
         def job(pipeline: Any) -> bytes:
@@ -247,8 +254,11 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
                 capture_size.resize_into(pipeline.frames, store)
                 resize_ms = (time.perf_counter() - dequeued) * 1e3
             plan = pipeline.plan(inputs, settings)
-            plan.timings_ms.update({"serve.parse": (queued - started) * 1e3, "serve.queue": (dequeued - queued) * 1e3,
-                                    "serve.resize": resize_ms})
+            # serve.shm_read and serve.parse_wait (the hop to and from the parsing thread) are parts of serve.parse
+            parsed_ms = (queued - started) * 1e3
+            plan.timings_ms.update({"serve.parse": parsed_ms, "serve.queue": (dequeued - queued) * 1e3,
+                                    "serve.resize": resize_ms, "serve.parse_wait": parsed_ms - parse_ms[0],
+                                    "serve.shm_read": capture_size.read_ms if capture_size is not None else 0.0})
             return wire.encode_reply(plan)
 
         return Response(await run(job), media_type=wire.CONTENT_TYPE)

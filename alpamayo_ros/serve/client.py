@@ -39,12 +39,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import httpx
+import numpy as np
 import torch
 
 from ..core.frame_cache import FrameCache, frame_keys
 from ..core.preprocess import VisionGeometry, smart_resize
 from ..core.types import DrivingInput, Plan, SamplingSettings
-from .frame_transport import FRAME_TRANSPORTS
+from ..frame_transport import FRAME_TRANSPORTS
 from . import wire
 from .shm import FrameSegment, is_loopback
 
@@ -162,7 +163,9 @@ class RemotePlanner:
                 keys = frame_keys(inputs)
             if not self.delta:
                 with _timed(stages, "remote.resize"):
-                    frames = self._resized(inputs, keys)
+                    cameras, count = inputs.images.shape[:2]
+                    resized = self._resized(inputs, keys, list(range(cameras * count)))
+                    frames = dataclasses.replace(inputs, images=resized.reshape(cameras, count, *resized.shape[1:]))
                 with _timed(stages, "remote.encode"):
                     body = wire.encode_request(frames, settings)
                 response = self._post_plan(body, len(keys), deadline)
@@ -210,9 +213,9 @@ class RemotePlanner:
                 self._segment.close()
                 self._segment = None
         with _timed(stages, "remote.resize"):
-            frames = self._resized(delta.inputs, delta.keys)
+            sent = self._resized(delta.inputs, delta.keys, slots)
         with _timed(stages, "remote.encode"):
-            body = wire.encode_request(frames, delta.settings, session=self._session, sent_slots=slots)
+            body = wire.encode_request(delta.inputs, delta.settings, session=self._session, sent_slots=slots, sent=sent)
         return self._post_plan(body, len(slots), deadline)
 
     def _send_shm(self, delta: _Delta, slots: list[int], deadline: float, stages: dict[str, float]) -> httpx.Response:
@@ -246,16 +249,17 @@ class RemotePlanner:
             self.backend = f"remote:{info['backend']}"
         return self._geometry
 
-    def _resized(self, inputs: DrivingInput, keys: list[str]) -> DrivingInput:
-        """inputs with every frame resized for the server's vision tower (cached per frame key)."""
+    def _resized(self, inputs: DrivingInput, keys: list[str], slots: list[int]) -> np.ndarray:
+        """The frames of slots (camera-major) resized for the server's vision tower, uint8
+        (n, h, w, 3) (cached per frame key); only those frames are touched."""
         if self._frames is None:
             self._frames = FrameCache(self._geometry, compute_device=torch.device("cpu"),
                                       store_device=torch.device("cpu"), capacity=FRAME_CACHE)
-        cameras, count = inputs.images.shape[:2]
-        flat = inputs.images.reshape(cameras * count, *inputs.images.shape[2:])
-        resized = self._frames.preprocess(flat, keys).frames  # (N, 3, h, w)
-        images = resized.permute(0, 2, 3, 1).reshape(cameras, count, *resized.shape[2:], 3).numpy()
-        return dataclasses.replace(inputs, images=images)
+        flat = inputs.images.reshape(-1, *inputs.images.shape[2:])
+        if not slots:
+            return np.empty((0, *smart_resize(*flat.shape[1:3], self._geometry), 3), dtype=np.uint8)
+        resized = self._frames.preprocess([flat[slot] for slot in slots], [keys[slot] for slot in slots]).frames
+        return np.ascontiguousarray(resized.permute(0, 2, 3, 1).numpy())
 
     def _check_backoff(self) -> None:
         wait_s = self._retry_at - time.monotonic()

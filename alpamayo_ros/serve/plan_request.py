@@ -10,11 +10,13 @@ device as in-process planning, so the plan is the same, and the client's CPU doe
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ..core.frame_cache import FrameCache
+from ..core.frame_cache import FrameCache, frame_key
 from ..core.preprocess import VisionGeometry, smart_resize
 from ..core.types import DrivingInput, SamplingSettings
 from . import wire
@@ -30,20 +32,30 @@ class CaptureSizeFrames:
     """A shared-memory delta's new frames, not yet resized, and where they go once they are.
 
     frames: uint8 (n, H, W, 3), copied out of the client's segment.
+    slots: their slots in the window; keys: their frame-store keys (camera, stamp, size).
     window: uint8 (cameras * frames, h, w, 3), the request's DrivingInput.images (flat): its
         slots hold the referenced frames, and these frames once resize_into() ran.
+    read_ms: how long copying them out of the segment took.
     """
 
     frames: np.ndarray
     slots: list[int]
     keys: list[FrameKey]
     window: np.ndarray
+    read_ms: float
 
     def resize_into(self, cache: FrameCache, store: FrameStore) -> None:
-        """Resize on the cache's device (as the pipeline resizes), fill the window, store them."""
-        resized = cache.resize(self.frames).permute(0, 2, 3, 1).cpu().numpy()  # (n, h, w, 3)
-        self.window[self.slots] = resized
-        store.put(dict(zip(self.keys, resized)))
+        """Resize on the cache's device (as the pipeline resizes), copy the result straight into
+        the window's slots (from a GPU: one transpose there, then into the pinned window), store
+        them, and hand them to the cache under the keys the pipeline will give them: the plan
+        then resizes nothing again (no second upload, transpose and download of these frames)."""
+        resized = cache.resize(self.frames)  # (n, 3, h, w) on the cache's compute device
+        window = torch.from_numpy(self.window)
+        for row, slot in enumerate(self.slots):
+            window[slot].copy_(resized[row].permute(1, 2, 0))
+        store.put({key: self.window[slot] for key, slot in zip(self.keys, self.slots)})
+        planned_as = [frame_key(key.camera, key.stamp_ns, self.window[slot]) for key, slot in zip(self.keys, self.slots)]
+        cache.remember(planned_as, resized)
 
 
 def parse_plan_request(
@@ -123,8 +135,10 @@ def _delta_window(
         raise RequestError("sent_slots", f"expected distinct slots in [0, {cameras * count}), got {slots}")
     if sent is None:  # copied out before the store is asked: a bad reference is a 4xx, not a 409
         nbytes = int(np.prod(shape, dtype=np.int64))
+        read_started = time.perf_counter()
         captured = read_segment("shm", request.shm.name, PLAN_SEGMENT, request.shm.offset, nbytes,
                                 out=frames.host_buffer((nbytes,))).reshape(shape)
+        read_ms = (time.perf_counter() - read_started) * 1e3
     keys = [FrameKey(session, request.camera_indices[slot // count], int(stamps[slot // count, slot % count]),
                      height, width) for slot in range(cameras * count)]
     window = frames.host_buffer((cameras * count, height, width, 3))
@@ -140,7 +154,9 @@ def _delta_window(
     if sent is not None:
         window[slots] = sent
         return framed, {keys[slot]: window[slot] for slot in slots}, None
-    pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window) if slots else None
+    pending = None
+    if slots:
+        pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window, read_ms)
     return framed, {}, pending
 
 

@@ -100,8 +100,9 @@ _REPLY_DECODER = msgspec.msgpack.Decoder(PlanReply)
 
 
 def pack_array(array: np.ndarray) -> Array:
+    """array for encoding; its bytes are a view (the encoder copies them once, into the message)."""
     contiguous = np.ascontiguousarray(array)
-    return Array(dtype=contiguous.dtype.str, shape=list(contiguous.shape), data=contiguous.tobytes())
+    return Array(dtype=contiguous.dtype.str, shape=list(contiguous.shape), data=memoryview(contiguous).cast("B"))
 
 
 def unpack_array(field: str, array: Array, dtype: np.dtype | type, ndim: int) -> np.ndarray:
@@ -126,21 +127,24 @@ def encode_request(
     *,
     session: str | None = None,
     sent_slots: list[int] | None = None,
+    sent: np.ndarray | None = None,
     shm: tuple[ShmFrames, tuple[int, int]] | None = None,
 ) -> bytes:
     """The request for inputs: every frame inline, or (with a session) a delta that carries the
-    frames of sent_slots (camera-major window slots) and refers to all others. shm: (where the
-    sent frames are, the frame size the server resizes them to); inputs' frames are then not sent."""
+    frames of sent_slots (camera-major window slots) and refers to all others. sent: those frames,
+    uint8 (n, h, w, 3) resized (default: taken from inputs, resized then); inputs' frames are then
+    not read. shm: (where the sent frames are, the frame size the server resizes them to)."""
+    slots = list(sent_slots or [])
     if session is None:
         frames: dict = {"images": pack_array(inputs.images)}
     elif shm is not None:
         where, frame_size = shm
-        frames = {"session": session, "frame_size": list(frame_size), "shm": where, "sent_slots": list(sent_slots or [])}
+        frames = {"session": session, "frame_size": list(frame_size), "shm": where, "sent_slots": slots}
     else:
-        slots = list(sent_slots or [])
-        flat = inputs.images.reshape(-1, *inputs.images.shape[2:])
-        frames = {"session": session, "frame_size": list(inputs.images.shape[2:4]),
-                  "sent": pack_array(flat[slots]), "sent_slots": slots}
+        if sent is None:
+            sent = inputs.images.reshape(-1, *inputs.images.shape[2:])[slots]
+        frames = {"session": session, "frame_size": list(sent.shape[1:3]), "sent": pack_array(sent),
+                  "sent_slots": slots}
     request = PlanRequest(
         **frames,
         camera_indices=list(inputs.camera_indices),
