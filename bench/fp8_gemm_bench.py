@@ -398,6 +398,14 @@ def print_report(results: list[dict], steps: dict[str, dict[str, float]]) -> Non
         )
     missing = sorted({f"{r['variant']}: {r['reason']}" for r in results if r["status"] in ("unavailable", "failed")})
     lines += ["", "Not timed:"] + [f"- {line}" for line in missing] if missing else []
+    lines += ["", "Fastest correct FP8 variant per shape and M:", "", "| shape | M | bf16 us | best FP8 | us | x bf16 | rel err |",
+              "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+    for (shape, m), bf16_us in base.items():
+        fp8 = [r for r in results if (r["shape"], r["m"]) == (shape, m) and r["variant"] != "bf16" and r["status"] == "ok"]
+        if fp8:
+            best = min(fp8, key=lambda r: r["us"])
+            lines.append(f"| {shape} | {m} | {bf16_us:.1f} | {best['variant']} | {best['us']:.1f} | "
+                         f"{bf16_us / best['us']:.2f} | {best['rel_err']:.1e} |")  # fmt: skip
     lines += ["", "Decode step GEMMs (all layers + bf16 lm_head), ms per token:", "", "| M | " + " | ".join(VARIANTS) + " |",
               "| ---: |" + " ---: |" * len(VARIANTS)]  # fmt: skip
     for m, row in steps.items():
