@@ -75,6 +75,7 @@ def projection_names(config: AlpamayoConfig) -> dict[tuple[int, int], str]:
     hidden, inter = text["hidden_size"], text["intermediate_size"]
     heads, kv_heads, head_dim = text["num_attention_heads"], text["num_key_value_heads"], config.backbone.head_dim
     v_hidden, v_inter = vision["hidden_size"], vision["intermediate_size"]
+    merged = v_hidden * vision["spatial_merge_size"] ** 2  # the merger's input: 2x2 patches side by side
     return {
         ((heads + 2 * kv_heads) * head_dim, hidden): "attention.qkv_proj",
         (hidden, heads * head_dim): "attention.o_proj",
@@ -84,6 +85,9 @@ def projection_names(config: AlpamayoConfig) -> dict[tuple[int, int], str]:
         (3 * v_hidden, v_hidden): "vision.qkv",
         (v_inter, v_hidden): "vision.fc1",
         (v_hidden, v_inter): "vision.fc2",
+        (v_hidden, v_hidden): "vision.proj",
+        (merged, merged): "vision.merger.fc1",
+        (vision["out_hidden_size"], merged): "vision.merger.fc2",
     }
 
 
@@ -92,8 +96,11 @@ def kernel_kind(name: str, launcher: Any, projections: dict[tuple[int, int], str
     lowered = name.lower()
     if any(mark in lowered for mark in GEMM_MARKS) or (launcher is not None and launcher.name in ("aten::mm", "aten::addmm")):
         shapes = [tuple(s) for s in (getattr(launcher, "input_shapes", None) or []) if len(s) == 2]
+        # NOTE: aten::linear holds the weight as (N, K); mm, addmm and cutlass_scaled_mm as
+        # (K, N). Orientation matters: vision fc1 and fc2 are each other's transpose.
+        linear = launcher is not None and launcher.name == "aten::linear"
         for shape in shapes:
-            part = projections.get(shape) or projections.get(shape[::-1])
+            part = projections.get(shape if linear else shape[::-1])
             if part:
                 return part
         return "gemm"

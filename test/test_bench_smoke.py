@@ -121,3 +121,51 @@ def test_prefill_profile_attributes_a_plans_work_to_its_stages(tmp_path: Path) -
     with gzip.open(trace, "rt") as handle:
         assert json.load(handle)["traceEvents"]
     assert "Top 25 kernels" in result.stdout
+
+
+def test_prefill_profile_names_gpu_kernels_by_launch_shapes_and_name(tmp_path: Path) -> None:
+    """What the CPU smoke cannot show: GPU GEMMs named by their weight shape in the launching
+    op's layout (aten::mm and cutlass_scaled_mm (K, N), aten::linear (N, K)), other kernels by name."""
+    from types import SimpleNamespace
+
+    from alpamayo_ros.core.config import AlpamayoConfig
+    from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
+    from bench.prefill_profile import kernel_kind, projection_names
+
+    config = AlpamayoConfig.from_checkpoint(write_checkpoint(tmp_path, full_size=True, weights=False))
+    names = projection_names(config)
+
+    def launch(op: str, *shapes: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(name=op, input_shapes=list(shapes))
+
+    gemm = "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN"
+    assert kernel_kind(gemm, launch("aten::mm", [3066, 4096], [4096, 6144]), names) == "attention.qkv_proj"
+    assert kernel_kind(gemm, launch("aten::mm", [3066, 4096], [4096, 4096]), names) == "attention.o_proj"
+    assert kernel_kind(gemm, launch("aten::mm", [3066, 12288], [12288, 4096]), names) == "mlp.down_proj"
+    scaled = launch("_C::cutlass_scaled_mm", [3066, 24576], [3066, 4096], [4096, 24576], [3066, 1], [1], [])
+    assert kernel_kind("void cutlass::device_kernel<Sm90GemmFp8>", scaled, names) == "mlp.gate_up_proj"
+    assert kernel_kind(gemm, launch("aten::mm", [2880, 1152], [1152, 4304]), names) == "vision.fc1"
+    assert kernel_kind(gemm, launch("aten::mm", [2880, 4304], [4304, 1152]), names) == "vision.fc2"
+    assert kernel_kind(gemm, launch("aten::linear", [2880, 1152], [4304, 1152]), names) == "vision.fc1"
+    assert kernel_kind(gemm, launch("cudaGraphLaunch"), names) == "gemm"  # replayed graph: no shapes
+    assert kernel_kind("void flash::FlashAttnFwdSm90<...>", None, names) == "attention.core"
+    assert kernel_kind("void vllm::reshape_and_cache_flash_kernel<...>", None, names) == "attention.core"
+    assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, names) == "norm"
+    assert kernel_kind("void vllm::act_and_mul_kernel<silu>", None, names) == "mlp.act"
+    assert kernel_kind("void vllm::dynamic_per_token_scaled_fp8_quant_kernel<...>", None, names) == "quant"
+    assert kernel_kind("void at::native::elementwise_kernel<...>", None, names) == "other"
+
+
+def test_fp8_block_quantisation_round_trips_within_fp8_error() -> None:
+    """The 128 x 128 weight tiles fed to the block kernels: scales rounded up at ragged edges,
+    dequantised values within e4m3's relative step of the bf16 weight."""
+    import torch
+
+    from bench.fp8_gemm_bench import BLOCK, quantize_blocks
+
+    weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(3))
+    q, scale = quantize_blocks(weight)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape and scale.shape == (2, 3)
+    expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:200, :300]
+    error = torch.linalg.vector_norm(q.float() * expanded - weight) / torch.linalg.vector_norm(weight)
+    assert 1e-3 < float(error) < 0.07
