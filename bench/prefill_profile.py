@@ -29,6 +29,7 @@ One pipeline (bench_pipeline's workload and engine settings), warmed up, then:
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import logging
@@ -115,12 +116,34 @@ def kernel_kind(name: str, launcher: Any, projections: dict[tuple[int, int], str
     return "other"
 
 
-def ancestors(event: Any) -> list[str]:
-    names = []
-    while event is not None:
-        names.append(event.name)
-        event = event.cpu_parent
-    return names
+class Scopes:
+    """The trace's runner scopes and pipeline ranges, to find those enclosing a host time.
+
+    By time, not by the op tree: the profiler drops some ops from its tree (an op with one
+    child of its own name), and kernels launched under a dropped op would lose their stage.
+    Runner scopes follow each other (never nested), so a bisection finds the one open.
+    """
+
+    def __init__(self, ops: list[Any]) -> None:
+        runner = sorted((e.time_range.start, e.time_range.end, e.name) for e in ops if e.name in RUNNER_STAGES)
+        self.runner_starts = [start for start, _, _ in runner]
+        self.runner = runner
+        self.pipeline = [(e.time_range.start, e.time_range.end, e.name) for e in ops if e.name.startswith("pipeline.")]
+        #: engine steps: each runs one "gpu_model_runner: preprocess" scope
+        self.steps = [start for start, _, name in runner if name == "gpu_model_runner: preprocess"]
+
+    def runner_at(self, time_us: float) -> str | None:
+        index = bisect.bisect_right(self.runner_starts, time_us) - 1
+        if index >= 0 and time_us <= self.runner[index][1]:
+            return RUNNER_STAGES[self.runner[index][2]]
+        return None
+
+    def pipeline_at(self, time_us: float) -> str:
+        inside = [(start, name) for start, end, name in self.pipeline if start <= time_us <= end]
+        return max(inside)[1].removeprefix("pipeline.") if inside else "outside"
+
+    def step_at(self, time_us: float) -> int:
+        return bisect.bisect_right(self.steps, time_us) - 1
 
 
 def device_events(events: list[Any]) -> tuple[list[Any], bool]:
@@ -135,26 +158,27 @@ def device_events(events: list[Any]) -> tuple[list[Any], bool]:
 
 def summarize_plan(events: list[Any], projections: dict[tuple[int, int], str]) -> dict:
     """GPU time (ms) per stage and kind, spans, engine steps and kernel totals of one plan's trace."""
-    # ops and ranges only: runtime calls (cudaLaunchKernel) carry ids of another numbering
-    cpu = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    # ops and ranges (id: their own numbering), and runtime calls such as cudaLaunchKernel or
+    # cudaGraphLaunch (id: the CUPTI correlation their kernels carry as id too)
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id}
+    scopes = Scopes(list(ops.values()))
     work, on_gpu = device_events(events)
-    steps = sorted(e.time_range.start for e in cpu.values() if e.name == "gpu_model_runner: preprocess")
     busy: dict[str, float] = defaultdict(float)
     spans: dict[str, list[float]] = {}
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in work:
-        launcher = cpu.get(event.linked_correlation_id) if on_gpu else event
-        names = ancestors(launcher)
-        runner = next((RUNNER_STAGES[n] for n in names if n in RUNNER_STAGES), None)
-        pipeline_stage = next((n.removeprefix("pipeline.") for n in names if n.startswith("pipeline.")), "outside")
+        launcher = ops.get(event.linked_correlation_id) if on_gpu else event  # the op: its shapes
+        launch = launches.get(event.id) if on_gpu else event
+        launched_us = (launch or launcher or event).time_range.start
+        runner = scopes.runner_at(launched_us)
         if runner is not None:
-            start = launcher.time_range.start
-            step = sum(1 for s in steps if s <= start) - 1
-            phase = "prefill" if step <= 0 else "decode"
+            phase = "prefill" if scopes.step_at(launched_us) <= 0 else "decode"
             stage = f"{phase}.{'inputs' if phase == 'decode' and runner == 'vision' else runner}"
         else:
-            stage = pipeline_stage if pipeline_stage != "backbone" else "backbone.other"
+            stage = scopes.pipeline_at(launched_us)
+            stage = "backbone.other" if stage == "backbone" else stage
         duration_ms = (event.time_range.end - event.time_range.start) / 1e3
         busy[stage] += duration_ms
         span = spans.setdefault(stage, [event.time_range.start, event.time_range.end])
@@ -165,7 +189,7 @@ def summarize_plan(events: list[Any], projections: dict[tuple[int, int], str]) -
         kernels[event.name][1] += 1
     return {
         "gpu_events": on_gpu,
-        "engine_steps": len(steps),
+        "engine_steps": len(scopes.steps),
         "busy_ms": dict(busy),
         "span_ms": {stage: (end - start) / 1e3 for stage, (start, end) in spans.items()},
         "kinds_ms": {stage: dict(parts) for stage, parts in kinds.items()},
