@@ -9,8 +9,8 @@ compute_logits. --token-mask builds the engine with the TokenMask logits process
 (its registration alone makes vLLM wait for each step's tokens); a separate run for the same
 reason, whose "no mask" variants then still carry the registered processor.
 
-    python bench/decode_probe.py --full-size-dir /tmp/ckpt --json $OUT/decode_probe.json
-    python bench/decode_probe.py --full-size-dir /tmp/ckpt --token-mask --json $OUT/decode_probe_token_mask.json
+    python -m bench.decode_probe --full-size-dir /tmp/ckpt --json $OUT/decode_probe.json
+    python -m bench.decode_probe --full-size-dir /tmp/ckpt --token-mask --json $OUT/decode_probe_token_mask.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
-from bench_pipeline import WORKLOADS, synthetic_inputs
+from bench.bench_pipeline import WORKLOADS, synthetic_inputs
 
 logger = logging.getLogger("decode_probe")
 TOKENS = 40

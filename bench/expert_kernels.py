@@ -10,7 +10,7 @@ Times (us per call, CUDA graphs of 20 calls) for the expert's shapes:
 - the kernel timeline of today's compiled sampler (1 row, bucket 256 and exact; 16 rows shared),
   grouped into GEMM, attention, Triton-fused elementwise and the rest.
 
-    PYTHONPATH=/tmp/site:. python bench/expert_kernels.py --out $OUT/kernels.json   # on the GPU
+    PYTHONPATH=/tmp/site:. python -m bench.expert_kernels --out $OUT/kernels.json   # on the GPU
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from expert_loop_bench import FULL, graph_time_us, random_cache  # noqa: E402  (a sibling script)
+from bench.expert_loop_bench import FULL, graph_time_us, random_cache
 
 
 def fa3():
@@ -259,7 +258,7 @@ def timeline(figures: dict) -> None:
 
     from alpamayo_ros.core.expert import ActionExpertModel
     from alpamayo_ros.core.flow_matching import ExpertSampler
-    from expert_parity import shared_cache
+    from bench.expert_parity import shared_cache
 
     torch.manual_seed(0)
     with torch.device("cuda"):

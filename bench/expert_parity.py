@@ -10,8 +10,8 @@ with status 1 on a mismatch: max |v_fast - v_fp32| > 2 x max |v_bf16_ref - v_fp3
 Then it times full 10-step sampler calls (p50 over --runs, synchronised, state loading
 included) for 1 sample and for 16 samples, shared prefix vs per-row copies.
 
-    PYTHONPATH=. python bench/expert_parity.py --out $OUT/expert_parity.json   # on the GPU
-    PYTHONPATH=. python bench/expert_parity.py --smoke                         # tiny, on the CPU
+    PYTHONPATH=. python -m bench.expert_parity --out $OUT/expert_parity.json   # on the GPU
+    PYTHONPATH=. python -m bench.expert_parity --smoke                         # tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import torch
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
 from alpamayo_ros.core.flow_matching import ExpertSampler
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from expert_loop_bench import FULL, SMOKE, kernel_profile, timed  # noqa: E402  (a sibling script)
+from bench.expert_loop_bench import FULL, SMOKE, kernel_profile, timed
 
 
 def shared_cache(config: ExpertConfig, rows: int, prompt: int, own: int, device, dtype) -> PrefixCache:

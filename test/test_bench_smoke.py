@@ -1,5 +1,6 @@
 """The GPU benchmark harness runs on the CPU with a tiny checkpoint, so it cannot rot."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -57,3 +58,114 @@ def test_tp_bench_runs_as_a_module_of_the_bench_package(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--workload: unknown ['W99']" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "tp1.json").exists()
+
+
+def test_fp8_gemm_bench_checks_fp8_against_fp32_and_names_missing_ops(tmp_path: Path) -> None:
+    """`python -m bench.fp8_gemm_bench --smoke`: the torch._scaled_mm paths really quantise
+    (FP8-sized error, not bf16's), vLLM ops absent from this build are reported with their
+    name instead of failing the run, and a bad --variants is refused before any work."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.fp8_gemm_bench", "--smoke", "--shapes", "o_proj,down_proj",
+         "--variants", "bf16,torch_tensor,torch_rowwise,cutlass_token_tensor,marlin_w8a16", "--json-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "fp8_gemm.json").read_text())
+    by_variant: dict[str, list[dict]] = {}
+    for entry in report["results"]:
+        by_variant.setdefault(entry["variant"], []).append(entry)
+    assert {(e["shape"], e["m"]) for e in by_variant["bf16"]} == {
+        (shape, m) for shape in ("o_proj", "down_proj") for m in (1, 2, 4, 8, 16, 24)
+    }
+    assert all(e["status"] == "ok" and e["rel_err"] < 1e-2 and e["us"] > 0 for e in by_variant["bf16"])
+    for variant in ("torch_tensor", "torch_rowwise"):
+        assert all(e["status"] == "ok" and 1e-3 < e["rel_err"] < 0.1 for e in by_variant[variant]), variant
+    for variant, op in (("cutlass_token_tensor", "cutlass_scaled_mm"), ("marlin_w8a16", "marlin_gemm")):
+        assert all(e["status"] == "unavailable" and op in e["reason"] for e in by_variant[variant]), variant
+    step = report["decode_step_gemm_ms"]["1"]
+    assert step["bf16"] > 0 and step["torch_tensor"] > 0 and "cutlass_token_tensor" not in step
+    assert "Fastest correct FP8 variant" in result.stdout
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.fp8_gemm_bench", "--smoke", "--variants", "bf16,fp4", "--json-dir", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--variants: unknown ['fp4']" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "x").exists()
+
+
+def test_prefill_profile_attributes_a_plans_work_to_its_stages(tmp_path: Path) -> None:
+    """`python -m bench.prefill_profile --smoke` (vLLM on the CPU): every profiled plan's work
+    lands in the vision tower, the decoder of the prefill and of the decode steps, the expert;
+    the preprocess window's CPU events and the slowest plan's trace are written."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.prefill_profile", "--smoke", "--warmup", "1", "--timed-plans", "2", "--plans", "2",
+         "--preprocess-only", "2", "--json-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "prefill_profile-smoke.json").read_text())
+    plans = report["profiled"]["plans"]
+    assert len(plans) == 2 and len(report["timed"]["preprocess_ms"]) == 2
+    for plan in plans:
+        assert plan["engine_steps"] >= 8  # the prefill step and one per further reasoning token
+        for stage in ("prefill.vision", "prefill.decoder", "decode.decoder", "expert", "preprocess"):
+            assert plan["busy_ms"][stage] > 0, stage
+        assert plan["busy_ms"]["prefill.vision"] <= plan["span_ms"]["prefill.vision"] + 1e-6
+        window = plan["preprocess_cpu"]
+        assert window["wall_ms"] > 0 and 0 <= window["main_thread_untraced_ms"] <= window["wall_ms"]
+        assert window["calls"]  # the copies and resize of the frames at least
+    assert set(report["preprocess_only"]) == {"frame_keys", "frame_cache", "total"}
+    trace = tmp_path / "prefill_profile-smoke-slowest.trace.json.gz"
+    assert trace.stat().st_size < 16 * 2**20
+    with gzip.open(trace, "rt") as handle:
+        assert json.load(handle)["traceEvents"]
+    assert "Top 25 kernels" in result.stdout
+
+
+def test_prefill_profile_names_gpu_kernels_by_launch_shapes_and_name(tmp_path: Path) -> None:
+    """What the CPU smoke cannot show: GPU GEMMs named by their weight shape in the launching
+    op's layout (aten::mm and cutlass_scaled_mm (K, N), aten::linear (N, K)), other kernels by name."""
+    from types import SimpleNamespace
+
+    from alpamayo_ros.core.config import AlpamayoConfig
+    from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
+    from bench.prefill_profile import kernel_kind, projection_names
+
+    config = AlpamayoConfig.from_checkpoint(write_checkpoint(tmp_path, full_size=True, weights=False))
+    names = projection_names(config)
+
+    def launch(op: str, *shapes: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(name=op, input_shapes=list(shapes))
+
+    gemm = "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN"
+    assert kernel_kind(gemm, launch("aten::mm", [3066, 4096], [4096, 6144]), names) == "attention.qkv_proj"
+    assert kernel_kind(gemm, launch("aten::mm", [3066, 4096], [4096, 4096]), names) == "attention.o_proj"
+    assert kernel_kind(gemm, launch("aten::mm", [3066, 12288], [12288, 4096]), names) == "mlp.down_proj"
+    scaled = launch("_C::cutlass_scaled_mm", [3066, 24576], [3066, 4096], [4096, 24576], [3066, 1], [1], [])
+    assert kernel_kind("void cutlass::device_kernel<Sm90GemmFp8>", scaled, names) == "mlp.gate_up_proj"
+    assert kernel_kind(gemm, launch("aten::mm", [2880, 1152], [1152, 4304]), names) == "vision.fc1"
+    assert kernel_kind(gemm, launch("aten::mm", [2880, 4304], [4304, 1152]), names) == "vision.fc2"
+    assert kernel_kind(gemm, launch("aten::linear", [2880, 1152], [4304, 1152]), names) == "vision.fc1"
+    assert kernel_kind(gemm, launch("cudaGraphLaunch"), names) == "gemm"  # replayed graph: no shapes
+    assert kernel_kind("void flash::FlashAttnFwdSm90<...>", None, names) == "attention.core"
+    assert kernel_kind("void vllm::reshape_and_cache_flash_kernel<...>", None, names) == "attention.core"
+    assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, names) == "norm"
+    assert kernel_kind("void vllm::act_and_mul_kernel<silu>", None, names) == "mlp.act"
+    assert kernel_kind("void vllm::dynamic_per_token_scaled_fp8_quant_kernel<...>", None, names) == "quant"
+    assert kernel_kind("void at::native::elementwise_kernel<...>", None, names) == "other"
+
+
+def test_fp8_block_quantisation_round_trips_within_fp8_error() -> None:
+    """The 128 x 128 weight tiles fed to the block kernels: scales rounded up at ragged edges,
+    dequantised values within e4m3's relative step of the bf16 weight."""
+    import torch
+
+    from bench.fp8_gemm_bench import BLOCK, quantize_blocks
+
+    weight = torch.randn(200, 300, generator=torch.Generator().manual_seed(3))
+    q, scale = quantize_blocks(weight)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == weight.shape and scale.shape == (2, 3)
+    expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:200, :300]
+    error = torch.linalg.vector_norm(q.float() * expanded - weight) / torch.linalg.vector_norm(weight)
+    assert 1e-3 < float(error) < 0.07
