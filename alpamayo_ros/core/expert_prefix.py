@@ -35,13 +35,13 @@ def check_cache_layers(
 
 def action_positions(cache: PrefixCache, n_tokens: int) -> torch.Tensor:
     """M-RoPE positions (3, N, n) int64: token j of row i sits at j + offset + rope_delta."""
-    n_rows = cache.keys[0].shape[0]
+    n_rows = cache.rows
     if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
         raise ValueError(
             f"cache.offsets/rope_deltas: expected ({n_rows},), got"
             f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
         )
-    device = cache.keys[0].device
+    device = cache.device
     start = cache.offsets.to(device=device, dtype=torch.long)
     start = start + cache.rope_deltas.to(device=device, dtype=torch.long)
     token = torch.arange(n_tokens, device=device)
@@ -54,7 +54,7 @@ def blocked_prefix(cache: PrefixCache) -> torch.Tensor:
     Those are the columns [offset, T) (tokens other rows generated past their stop) and
     the ones where cache.valid is False.
     """
-    n_rows, length, device = cache.rows, cache.length, cache.keys[0].device
+    n_rows, length, device = cache.rows, cache.length, cache.device
     if tuple(cache.offsets.shape) != (n_rows,):
         raise ValueError(f"cache.offsets: expected ({n_rows},), got {tuple(cache.offsets.shape)}")
     if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):
