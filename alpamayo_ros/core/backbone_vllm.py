@@ -191,6 +191,11 @@ class VLLMBackbone:
                 self._adapter.close_history(self.plan_history)
             self._llm = None
 
+    def free_kv_blocks(self) -> int:
+        """Blocks of vLLM's K/V cache free now (held ones are not): a diagnostic, and how the
+        tests see that every plan hands its blocks back."""
+        return self._adapter.free_block_count(self._llm)
+
     # -- Backbone protocol ------------------------------------------------------------
 
     def rollout(
@@ -423,9 +428,8 @@ class VLLMBackbone:
                 int(prompt.input_ids.shape[0]) + (row.index(stop) + 1 if stop in row else len(row))
                 for row in map(list, generated)
             ]
-            paged = PagedPrefix(
-                key_blocks, value_blocks, table.to(device, non_blocking=True), list(lengths), self._releaser(captured)
-            )
+            paged = PagedPrefix(key_blocks, value_blocks, table.to(device, non_blocking=True), list(lengths), _unset)
+            paged.release = self._releaser(paged, captured)
         return PrefixCache(
             keys=[],
             values=[],
@@ -435,20 +439,23 @@ class VLLMBackbone:
             paged=paged,
         )
 
-    def _releaser(self, captured: Sequence[Any]) -> Callable[[], None]:
+    def _releaser(self, paged: PagedPrefix, captured: Sequence[Any]) -> Callable[[], None]:
         """PagedPrefix.release for these captures: sync the device (the expert's kernels may still
         read the blocks), then free them. Should nobody call it, the blocks are released when
-        the cache is collected (freed by the engine's next step)."""
+        `paged` is collected (and freed by the engine's next step)."""
         request_ids = sorted({c.request_id for c in captured})
-        marker = object()  # what the finalizer watches: the release closure, owned by the cache
-        finalizer = weakref.finalize(marker, self._sink.release, request_ids)
+        finalizer = weakref.finalize(paged, self._sink.release, request_ids)
         llm, sink, adapter = self._llm, self._sink, self._adapter
 
-        def release(_marker: object = marker) -> None:
+        def release() -> None:
             if finalizer.detach() is None:
                 return  # released before
-            if torch.cuda.is_available() and sink.caches and sink.caches[0].is_cuda:
+            if sink.caches and sink.caches[0].is_cuda:
                 torch.cuda.synchronize(sink.caches[0].device)
             adapter.release_requests(llm, sink, request_ids)
 
         return release
+
+
+def _unset() -> None:
+    raise RuntimeError("PagedPrefix.release: not set yet")
