@@ -147,7 +147,6 @@ def test_a_second_engine_in_the_process_is_refused_by_name(vllm_pipeline, checkp
     assert vllm_pipeline.backbone._llm is not None  # the open one is untouched
 
 
-@pytest.mark.parametrize("cameras,frames,route", SCENES)
 def _assert_prompt_blocks_shared(cache, prompt_len: int) -> None:
     """Every row's block table starts with the prompt's full blocks; no K/V of its own is held."""
     full = prompt_len // cache.paged.block_size
@@ -157,6 +156,7 @@ def _assert_prompt_blocks_shared(cache, prompt_len: int) -> None:
     assert len({tuple(row) for row in table[:, full:].tolist()}) == cache.rows  # own tail blocks
 
 
+@pytest.mark.parametrize("cameras,frames,route", SCENES)
 def test_greedy_reasoning_and_kv_match_hf(vllm_pipeline, hf_pipeline, make_driving_input, cameras, frames, route):
     _, prompt = _prompt(vllm_pipeline, make_driving_input, cameras, frames, route)
     args = dict(num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_TOKENS)
