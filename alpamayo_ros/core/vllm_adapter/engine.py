@@ -222,7 +222,10 @@ def run_requests(
         engine.abort_request([ext for ext in external if ext not in seen])
         for rid in internal.values():
             sink.captured.pop(rid, None)
-        release_requests(llm, sink, list(internal.values()))
+        try:
+            release_requests(llm, sink, list(internal.values()))
+        except Exception:  # the engine failed already; what it raised is the error to report
+            logger.warning("KV capture: releasing the blocks of failed requests failed too", exc_info=True)
         take_counts(list(internal.values()))
         raise
     finally:
