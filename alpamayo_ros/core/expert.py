@@ -14,9 +14,10 @@ tokens' K/V per step; a paged cache (K/V an engine holds) only gets block tables
 (BlockTableState) and is read where it lies. They agree within float rounding; the cache is
 never mutated.
 
-Just over 400 lines: one class per architectural unit (rope, attention with its fused QKV,
-MLP, layer, model, action expert), composed upward in the order of upstream's checkpoint keys;
-the input side and the prefix bookkeeping already live in expert_action.py and expert_prefix.py.
+Over 400 lines: one class per architectural unit (rope, attention with its fused QKV, MLP,
+layer, model, action expert), composed upward in the order of upstream's checkpoint keys, and
+the loading of the two fast-path states; the input side and the prefix bookkeeping already
+live in expert_action.py and expert_prefix.py.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from alpamayo_ros.core.expert_prefix import (
     blocked_prefix,
     build_positions_and_mask,
     check_cache_layers,
+    check_paged_layers,
 )
 from alpamayo_ros.core.expert_state import BlockTableState, ExpertState
 
@@ -313,21 +315,6 @@ class ExpertModel(nn.Module):
             head_dim=cfg.head_dim,
         )
 
-    def _check_blocks(self, cache: PrefixCache) -> None:
-        """Raise a ValueError naming cache.paged unless it has num_layers (blocks, bs, Hkv, D)
-        layers (with a contiguous last dim on CUDA, which FlashAttention needs)."""
-        cfg, paged = self.config, cache.paged
-        if len(paged.key_blocks) < cfg.num_layers or len(paged.value_blocks) < cfg.num_layers:
-            raise ValueError(f"cache.paged: {len(paged.key_blocks)} cache layers for {cfg.num_layers} expert layers")
-        blocks = paged.key_blocks[0]
-        if blocks.ndim != 4 or tuple(blocks.shape[2:]) != (cfg.num_kv_heads, cfg.head_dim) or (
-            blocks.is_cuda and blocks.stride(-1) != 1
-        ):
-            raise ValueError(
-                f"cache.paged: expected blocks (blocks, block_size, {cfg.num_kv_heads}, {cfg.head_dim}), got"
-                f" {tuple(blocks.shape)} strides {blocks.stride()}"
-            )
-
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (N, L, 1, D) in dtype for M-RoPE positions (3, N, L): broadcast over heads."""
         cos, sin = self.rotary_emb(positions, dtype)
@@ -412,7 +399,7 @@ class ActionExpertModel(nn.Module):
         if cache.paged is None:
             raise ValueError("cache: not paged (new_state copies a plain cache)")
         cfg = self.config
-        self.expert._check_blocks(cache)
+        check_paged_layers(cache.paged, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         layers = cfg.num_layers
         return BlockTableState.zeros(
             rows=rows, width=width, n_tokens=cfg.n_waypoints, key_blocks=cache.paged.key_blocks[:layers],

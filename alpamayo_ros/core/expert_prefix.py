@@ -1,5 +1,6 @@
 """How a PrefixCache becomes the action expert's inputs: where the action tokens sit (M-RoPE
-positions), which prefix columns they may attend, and the reference path's 4D mask."""
+positions), which prefix columns they may attend, the reference path's 4D mask, and the
+checks of its layers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.backbone import PagedPrefix, PrefixCache
 
 
 def check_cache_layers(
@@ -30,6 +31,21 @@ def check_cache_layers(
         raise ValueError(
             f"keys/values: expected layer shape {expected} (N, Hkv, T, D), got"
             f" {tuple(keys[0].shape)}/{tuple(values[0].shape)}"
+        )
+
+
+def check_paged_layers(paged: PagedPrefix, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    """Raise a ValueError naming cache.paged unless it has >= num_layers (blocks, bs, Hkv, D)
+    layers (with a contiguous last dim on CUDA, which FlashAttention needs)."""
+    if len(paged.key_blocks) < num_layers or len(paged.value_blocks) < num_layers:
+        raise ValueError(f"cache.paged: {len(paged.key_blocks)} cache layers for {num_layers} expert layers")
+    blocks = paged.key_blocks[0]
+    if blocks.ndim != 4 or tuple(blocks.shape[2:]) != (num_kv_heads, head_dim) or (
+        blocks.is_cuda and blocks.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"cache.paged: expected blocks (blocks, block_size, {num_kv_heads}, {head_dim}), got"
+            f" {tuple(blocks.shape)} strides {blocks.stride()}"
         )
 
 
