@@ -498,6 +498,42 @@ def test_every_plan_hands_its_blocks_back_even_when_it_fails(vllm_pipeline, make
     assert backbone.free_kv_blocks() == start
 
 
+def test_samples_of_one_prompt_reuse_its_block_hashes() -> None:
+    """The engine's block hasher hashes a prompt once for all its samples (copies of one
+    processed request), and gives them exactly the hashes vLLM computes; other prompts and
+    later (decode) blocks are hashed as before."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from alpamayo_ros.core.vllm_adapter.engine import _RepeatedPromptHasher
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    plain = get_request_block_hasher(16, hash_fn)
+    calls = []
+
+    def counted(request):
+        calls.append(request.request_id)
+        return plain(request)
+
+    hasher = _RepeatedPromptHasher(counted)
+    prompt = list(range(100, 170))  # 4 full blocks of 16 and 6 tokens
+    other = prompt[:50] + [7] + prompt[51:]  # differs in the fourth block
+
+    def request(name, ids):
+        return Request(name, ids, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+
+    first, second, third = request("a", prompt), request("b", prompt), request("c", other)
+    assert calls == ["a", "c"]  # b, a sample of a's prompt, was not hashed again
+    assert second.block_hashes == first.block_hashes == Request("d", list(prompt), SamplingParams(), None, block_hasher=plain).block_hashes
+    assert len(first.block_hashes) == 4 and third.block_hashes[:3] == first.block_hashes[:3]
+    assert third.block_hashes[3] != first.block_hashes[3]
+    second.append_output_token_ids(list(range(10)))  # its fifth block fills: hashed on its own
+    assert calls[-1] == "b" and len(second.block_hashes) == 5
+
+
 def test_token_mask_samples_what_the_in_model_mask_samples(vllm_pipeline, make_driving_input, request):
     """Sampled rows (temperature 1) never hold an <i*> token and are the same rows for the
     same seeds under both masks. First of the TokenMask tests: it samples with vllm_pipeline

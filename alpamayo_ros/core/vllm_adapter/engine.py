@@ -65,7 +65,7 @@ def create_engine(
             raise ValueError("speculation_method 'plans': create_engine needs the PlanHistory to draft from")
         transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
     extra.update(speculation_args(options.speculation_method, options.speculation_draft_tokens))
-    return LLM(
+    llm = LLM(
         model=str(model_dir),
         dtype=options.dtype,
         max_model_len=options.max_model_len,
@@ -87,6 +87,38 @@ def create_engine(
         **extra,
         **(engine_args or {}),
     )
+    core = llm.llm_engine.engine_core.engine_core
+    if getattr(core, "request_block_hasher", None) is not None:
+        core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
+    return llm
+
+
+class _RepeatedPromptHasher:
+    """The engine core's request block hasher, keeping the hashes of the last prompt it hashed.
+
+    A sample of that prompt (run_requests, shared_prompt: a copy of one processed request, so
+    the very same token list and multimodal features) gets them instead of hashing all its
+    prompt blocks again: with 16 samples of a 3,100-token prompt that hashing was most of the
+    frontend's time. Any other request is hashed as before; the hashes depend only on the
+    tokens and those features, so they are the ones vLLM would compute.
+    """
+
+    def __init__(self, hasher: Any) -> None:
+        self._hasher = hasher
+        self._source: tuple[Any, ...] | None = None  # what the hashes are of; held, so no id is reused
+        self._hashes: list[Any] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        fresh = not request.block_hashes and request.num_tokens == len(request.prompt_token_ids or ())
+        if not fresh:
+            return self._hasher(request)
+        # the same token list and features objects (a copy of one processed request), same extras
+        source = (request.prompt_token_ids, request.mm_features or None, (request.lora_request, request.cache_salt))
+        cached = self._source
+        if cached is None or cached[0] is not source[0] or cached[1] is not source[1] or cached[2] != source[2]:
+            self._hashes = self._hasher(request)
+            self._source = source
+        return list(self._hashes)
 
 
 def shutdown_engine(llm: LLM) -> None:
