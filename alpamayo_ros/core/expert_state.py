@@ -213,7 +213,7 @@ class BlockTableState:
 
     key_blocks/value_blocks: per expert layer, the engine's (blocks, block_size, Hkv, D) views;
     block_table: (N, W) int32, each row's blocks in order; lengths: (N,) int32, the prefix keys
-    each row attends (its kept columns, a leading run); cu_seqlens_q: (N+1,) int32, W queries
+    each row attends (its kept columns, a leading run); cu_seqlens_q: (N+1,) int32, L queries
     per row (the action tokens); cos/sin: (N, L, 1, D) their RoPE.
     """
 
