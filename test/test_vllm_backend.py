@@ -485,6 +485,14 @@ def test_every_plan_hands_its_blocks_back_even_when_it_fails(vllm_pipeline, make
     rollout.cache.release()
     rollout.cache.release()  # idempotent
     assert backbone.free_kv_blocks() == start
+    forgotten = backbone.rollout(
+        prompt, num_samples=2, temperature=0.0, top_p=1.0, max_new_tokens=8, generator=torch.Generator()
+    )
+    assert backbone.free_kv_blocks() < start
+    del forgotten
+    gc.collect()  # a cache nobody released: its blocks go back with the engine's next steps
+    vllm_pipeline.plan(inputs, plans[0][0])
+    assert backbone.free_kv_blocks() == start
     with pytest.raises(ValueError, match="init_noise"):  # fails in the expert, after the rollout
         vllm_pipeline.plan(inputs, plans[1][0], init_noise=torch.zeros(2, 64, 2))
     assert backbone.free_kv_blocks() == start
