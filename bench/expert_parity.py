@@ -2,7 +2,9 @@
 
 The fast paths (ExpertSampler: CUDA graph of the whole loop, compiled layers, bucket 256,
 paged K/V read by FlashAttention-3 where vLLM's bundle is importable; 1 sample, 16 samples
-over per-row copies and over one shared prefix) must be as close to the
+over per-row copies and over one shared prefix; and "vllm_paged", the same K/V laid out in
+blocks of 16 as vLLM's GPU cache holds them, read in place through block tables, rows sharing
+the prompt's full blocks, as the vLLM backend hands them over) must be as close to the
 fp32 reference as the bf16 reference itself is. One Euler step of dt = 1 from t = 0
 (x1 - x0 = v) is compared: with random weights the 10-step flow is chaotic
 (bench/expert_loop_bench.py), so only one step has a meaningful tolerance. The script exits
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.backbone import PagedPrefix, PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
 from alpamayo_ros.core.flow_matching import ExpertSampler
 from bench.expert_loop_bench import FULL, SMOKE, kernel_profile, timed
@@ -48,6 +50,34 @@ def shared_cache(config: ExpertConfig, rows: int, prompt: int, own: int, device,
         shared_keys=[randn(1, heads, prompt, dim) for _ in range(layers)],
         shared_values=[randn(1, heads, prompt, dim) for _ in range(layers)],
     )
+
+
+def vllm_paged(cache: PrefixCache, block_size: int = 16) -> PrefixCache:
+    """The K/V of a shared-prompt cache as vLLM's GPU cache holds them: per layer one
+    (blocks, Hkv, block_size, 2D) tensor, K in [..., :D], at shuffled block ids; every row's
+    table starts with the prompt's full blocks, then blocks of its own (the prompt's partial
+    last block recomputed into them, as vLLM does for each sample)."""
+    full = cache.materialized()
+    rows, heads, width, dim = full.keys[0].shape
+    device = full.keys[0].device
+    shared = cache.shared_length // block_size
+    own = -(-width // block_size) - shared
+    ids = torch.randperm(shared + rows * own, generator=torch.Generator().manual_seed(3))
+    table = torch.cat([ids[:shared].expand(rows, -1), ids[shared:].view(rows, own)], dim=1).to(device)
+    position = torch.arange(width, device=device)
+    blocks, slots = table[:, position // block_size], position % block_size  # (rows, width), (width,)
+    key_blocks, value_blocks = [], []
+    for keys, values in zip(full.keys, full.values):
+        storage = torch.full((ids.numel(), heads, block_size, 2 * dim), float("nan"), device=device, dtype=keys.dtype)
+        tokens = storage.transpose(1, 2)  # (blocks, block_size, Hkv, 2D)
+        k, v = tokens[..., :dim], tokens[..., dim:]
+        for row in range(rows):
+            k[blocks[row], slots] = keys[row].transpose(0, 1)
+            v[blocks[row], slots] = values[row].transpose(0, 1)
+        key_blocks.append(k)
+        value_blocks.append(v)
+    paged = PagedPrefix(key_blocks, value_blocks, table.int(), [width] * rows, lambda: None)
+    return PrefixCache(keys=[], values=[], offsets=cache.offsets, rope_deltas=cache.rope_deltas, paged=paged)
 
 
 def cast(cache: PrefixCache, dtype: torch.dtype) -> PrefixCache:
@@ -99,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             samplers = {
                 "plain": ExpertSampler(fast, bucket=256 if on_gpu else 1, compile_layers=on_gpu),
                 "shared": ExpertSampler(fast, bucket=256 if on_gpu else 1, compile_layers=on_gpu),
+                "vllm_paged": ExpertSampler(fast, bucket=256 if on_gpu else 1, compile_layers=on_gpu),
             }
-            inputs = {"plain": cache.materialized(), "shared": cache}
+            inputs = {"plain": cache.materialized(), "shared": cache, "vllm_paged": vllm_paged(cache)}
             case: dict = {"reference_bf16_error": ref_error, "max_abs_v": truth.abs().max().item()}
             ref_relative = relative_error(fast.velocity(noise, t, cache), truth)
             case["reference_bf16_relative"] = ref_relative

@@ -279,10 +279,10 @@ def test_shared_prefix_sampler_matches_the_reference_on_full_rows(bucket):
         expected = reference(expert, full, noise, steps=4)
         assert (got - expected).abs().max() < 1e-5, i
         assert (expected - noise).abs().max() > 0.1
-    shapes = list(sampler._runners)  # (capacity, rows, steps, cfg, shared); one row runs plain
+    shapes = list(sampler._runners)  # (capacity, rows, steps, cfg, shared, storage); one row runs plain
     own = 9 + 64 if bucket == 1 else 96
-    assert shapes[0] == (own, 4, 4, None, 30 if bucket == 1 else 32)  # prompt and own columns bucketed
-    assert shapes[-1] == (45 + 3 + 64 if bucket == 1 else 128, 1, 4, None, 0)
+    assert shapes[0] == (own, 4, 4, None, 30 if bucket == 1 else 32, 0)  # prompt and own columns bucketed
+    assert shapes[-1] == (45 + 3 + 64 if bucket == 1 else 128, 1, 4, None, 0, 0)
     assert len(shapes) == (3 if bucket == 1 else 2)  # bucketed, plans 1 and 2 share a state
 
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from alpamayo_ros.core import flow_matching
 from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.pipeline import Pipeline
-from alpamayo_ros.core.types import SamplingSettings
+from alpamayo_ros.core.types import PlanCancelled, SamplingSettings
 
 KV_TOL = 1e-4  # fp32 K/V and trajectories (m)
 MAX_TOKENS = 24
@@ -145,6 +147,15 @@ def test_a_second_engine_in_the_process_is_refused_by_name(vllm_pipeline, checkp
     assert vllm_pipeline.backbone._llm is not None  # the open one is untouched
 
 
+def _assert_prompt_blocks_shared(cache, prompt_len: int) -> None:
+    """Every row's block table starts with the prompt's full blocks; no K/V of its own is held."""
+    full = prompt_len // cache.paged.block_size
+    table = cache.paged.block_table.cpu()
+    assert full >= 1 and not cache.keys and cache.shared_keys is None
+    assert (table[:, :full] == table[:1, :full]).all()
+    assert len({tuple(row) for row in table[:, full:].tolist()}) == cache.rows  # own tail blocks
+
+
 @pytest.mark.parametrize("cameras,frames,route", SCENES)
 def test_greedy_reasoning_and_kv_match_hf(vllm_pipeline, hf_pipeline, make_driving_input, cameras, frames, route):
     _, prompt = _prompt(vllm_pipeline, make_driving_input, cameras, frames, route)
@@ -169,9 +180,8 @@ def test_greedy_stops_one_token_after_traj_future_start(vllm_pipeline, hf_pipeli
         assert row[-1] == ids.traj_future_start and row.count(ids.traj_future_start) == 1
     # the cache ends at the stop token: the token sampled after it was never fed
     assert ours.cache.offsets.tolist() == [prompt_len + len(ours.generated_ids[0])] * 2 == [ours.cache.length] * 2
-    # the two samples share the prompt's K/V, held once; each row keeps only its reasoning
-    assert ours.cache.shared_length == prompt_len and ours.cache.shared_keys[0].shape[0] == 1
-    assert ours.cache.keys[0].shape[2] == ours.cache.length - prompt_len
+    # the two samples read the prompt's K/V from the same vLLM blocks; only their tails differ
+    _assert_prompt_blocks_shared(ours.cache, prompt_len)
     oracle = hf_pipeline.backbone.prefill(prompt, ours.generated_ids)
     _assert_cache_close(ours.cache, oracle, [ours.cache.length] * 2)
 
@@ -202,7 +212,7 @@ def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipelin
         assert offset == prompt_len + len(row)
         lengths.append(offset if stopped else offset - 1)  # K/V of every fed token
     assert first.cache.length == max(lengths)
-    assert first.cache.shared_length == prompt_len
+    _assert_prompt_blocks_shared(first.cache, prompt_len)
     if first.cache.valid is not None:
         assert first.cache.valid.sum(dim=1).tolist() == lengths
     oracle = hf_pipeline.backbone.prefill(prompt, first.generated_ids)
@@ -409,6 +419,128 @@ def test_in_model_mask_is_cleared_after_each_rollout(vllm_pipeline, hf_pipeline,
         vllm_pipeline.backbone.rollout(bad, generator=torch.Generator(), **args)
     assert vllm_engine.engine_token_mask(llm) is None
 
+def test_the_expert_reads_vllm_blocks_in_place_as_the_reference_does(vllm_pipeline, make_driving_input):
+    """The fast sampler over the paged cache (block tables into vLLM's cache, a prompt ending
+    inside a block, rows sharing its full blocks) gives the reference's trajectories: the
+    reference expert over the same K/V copied out."""
+    inputs, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1, 2, 6), 4, None)
+    rollout = vllm_pipeline.backbone.rollout(
+        prompt, num_samples=3, temperature=1.0, top_p=1.0, max_new_tokens=MAX_TOKENS,
+        generator=torch.Generator().manual_seed(4),
+    )  # fmt: skip
+    cache, prompt_len = rollout.cache, prompt.input_ids.shape[0]
+    try:
+        block_size = cache.paged.block_size
+        assert prompt_len > block_size and prompt_len % block_size  # a partial last prompt block
+        _assert_prompt_blocks_shared(cache, prompt_len)
+        noise = torch.randn(3, 64, 2, generator=torch.Generator().manual_seed(2))
+        fast = vllm_pipeline.expert_sampler.sample(cache, init_noise=noise)
+        full = cache.materialized()
+        with torch.no_grad():
+            slow = flow_matching.sample(
+                lambda x, t: vllm_pipeline.expert.velocity(x, t, full), batch=3, init_noise=noise
+            )
+    finally:
+        cache.release()
+    history = torch.from_numpy(inputs.ego_history_xyz)[None], torch.from_numpy(inputs.ego_history_rot)[None]
+    fast_xyz, _ = vllm_pipeline.action_space.action_to_traj(fast, *history)
+    slow_xyz, _ = vllm_pipeline.action_space.action_to_traj(slow, *history)
+    assert (fast_xyz - slow_xyz).abs().max() < 1e-5
+    assert (fast - noise).abs().max() > 0.1
+
+
+class _StopAfter(threading.Event):
+    """A stop flag that turns itself on after `checks` looks: cancels a rollout mid-decode."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.checks = checks
+
+    def is_set(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0 or super().is_set()
+
+
+def test_every_plan_hands_its_blocks_back_even_when_it_fails(vllm_pipeline, make_driving_input):
+    """Held blocks are freed once the expert ran, over many plans (1 and 3 samples, nav-CFG,
+    forced reasoning), and when a plan fails after the rollout or its rollout is cancelled."""
+    backbone = vllm_pipeline.backbone
+    start = backbone.free_kv_blocks()
+    inputs = make_driving_input(camera_indices=(0, 1), frames=2, route_text="Turn right in 30m", seed=6)
+    coc = vllm_pipeline.tokenizer.encode_text("Slow down for the crossing.")
+    plans = [
+        (SamplingSettings(num_samples=1, temperature=0.0, max_reasoning_tokens=8, flow_steps=2), None),
+        (SamplingSettings(num_samples=3, temperature=1.0, max_reasoning_tokens=8, flow_steps=2, seed=1), None),
+        (SamplingSettings(num_samples=2, temperature=0.0, cfg_weight=1.5, flow_steps=2), coc),
+    ] * 2
+    for settings, forced in plans:
+        plan = vllm_pipeline.plan(inputs, settings, forced_coc_ids=forced)
+        assert plan.timings_ms["backbone.kv_release"] >= 0
+        assert backbone.free_kv_blocks() == start
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, None)
+    rollout = backbone.rollout(
+        prompt, num_samples=2, temperature=0.0, top_p=1.0, max_new_tokens=8, generator=torch.Generator()
+    )
+    assert backbone.free_kv_blocks() < start  # held until released
+    rollout.cache.release()
+    rollout.cache.release()  # idempotent
+    assert backbone.free_kv_blocks() == start
+    forgotten = backbone.rollout(
+        prompt, num_samples=2, temperature=0.0, top_p=1.0, max_new_tokens=8, generator=torch.Generator()
+    )
+    assert backbone.free_kv_blocks() < start
+    del forgotten
+    gc.collect()  # a cache nobody released: its blocks go back with the engine's next steps
+    vllm_pipeline.plan(inputs, plans[0][0])
+    assert backbone.free_kv_blocks() == start
+    with pytest.raises(ValueError, match="init_noise"):  # fails in the expert, after the rollout
+        vllm_pipeline.plan(inputs, plans[1][0], init_noise=torch.zeros(2, 64, 2))
+    assert backbone.free_kv_blocks() == start
+    backbone.stop = _StopAfter(4)
+    try:
+        with pytest.raises(PlanCancelled):
+            vllm_pipeline.plan(inputs, plans[1][0])
+        assert backbone.stop.checks < 0  # cancelled inside the rollout's engine loop
+    finally:
+        backbone.stop = vllm_pipeline.stop
+    assert backbone.free_kv_blocks() == start
+
+
+def test_samples_of_one_prompt_reuse_its_block_hashes() -> None:
+    """The engine's block hasher hashes a prompt once for all its samples (copies of one
+    processed request), and gives them exactly the hashes vLLM computes; other prompts and
+    later (decode) blocks are hashed as before."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from alpamayo_ros.core.vllm_adapter.engine import _RepeatedPromptHasher
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    plain = get_request_block_hasher(16, hash_fn)
+    calls = []
+
+    def counted(request):
+        calls.append(request.request_id)
+        return plain(request)
+
+    hasher = _RepeatedPromptHasher(counted)
+    prompt = list(range(100, 170))  # 4 full blocks of 16 and 6 tokens
+    other = prompt[:50] + [7] + prompt[51:]  # differs in the fourth block
+
+    def request(name, ids):
+        return Request(name, ids, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+
+    first, second, third = request("a", prompt), request("b", prompt), request("c", other)
+    assert calls == ["a", "c"]  # b, a sample of a's prompt, was not hashed again
+    assert second.block_hashes == first.block_hashes == Request("d", list(prompt), SamplingParams(), None, block_hasher=plain).block_hashes
+    assert len(first.block_hashes) == 4 and third.block_hashes[:3] == first.block_hashes[:3]
+    assert third.block_hashes[3] != first.block_hashes[3]
+    second.append_output_token_ids(list(range(10)))  # its fifth block fills: hashed on its own
+    assert calls[-1] == "b" and len(second.block_hashes) == 5
+
 
 def test_token_mask_samples_what_the_in_model_mask_samples(vllm_pipeline, make_driving_input, request):
     """Sampled rows (temperature 1) never hold an <i*> token and are the same rows for the
@@ -444,3 +576,4 @@ def test_token_mask_serves_a_partial_min_new_tokens(token_mask_pipeline, hf_pipe
     assert not {ids.traj_future_start, ids.im_end} & set(longer.generated_ids[0][:8])
     assert len(longer.generated_ids[0]) > len(unforced.generated_ids[0])
     _assert_cache_close(longer.cache, reference.cache, [longer.cache.length])
+

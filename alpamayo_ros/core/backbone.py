@@ -7,6 +7,7 @@ action space) lives outside the backends, so both produce plans through the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -36,6 +37,42 @@ class PromptInputs:
 
 
 @dataclass
+class PagedPrefix:
+    """Backbone K/V left where a paged engine keeps it: which blocks hold each row.
+
+    key_blocks/value_blocks: per backbone layer, (num_blocks, block_size, H_kv, head_dim)
+        views of the engine's cache (only the last dim need be contiguous); never copied.
+    block_table: (N, W) int32 on the cache's device: row n's blocks in position order; the
+        entries past its length are never read.
+    lengths: per row, the positions [0, length) its blocks hold.
+    release: hands the blocks back to the engine (idempotent); until then it keeps them.
+    """
+
+    key_blocks: list[torch.Tensor]
+    value_blocks: list[torch.Tensor]
+    block_table: torch.Tensor
+    lengths: list[int]
+    release: Callable[[], None]
+
+    @property
+    def block_size(self) -> int:
+        return self.key_blocks[0].shape[1]
+
+    def gather(self, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer K and V copied to (N, H_kv, width, head_dim), zeros past each row's length
+        (width <= the block table's W * block_size)."""
+        table = self.block_table.long()
+        lengths = torch.tensor(self.lengths, device=table.device)
+        valid = (torch.arange(width, device=table.device)[None, :] < lengths[:, None])[:, :, None, None]
+
+        def rows(layer: torch.Tensor) -> torch.Tensor:
+            columns = layer[table].flatten(1, 2)[:, :width]  # (N, width, H, D)
+            return torch.where(valid, columns, 0).transpose(1, 2).contiguous()
+
+        return [rows(k) for k in self.key_blocks], [rows(v) for v in self.value_blocks]
+
+
+@dataclass
 class PrefixCache:
     """Backbone K/V for prompt + reasoning, the prefix the expert's diffusion tokens attend to.
 
@@ -49,6 +86,8 @@ class PrefixCache:
     shared_keys/shared_values: None, or one tensor per layer (1, H_kv, S, head_dim) holding
         columns [0, S) once for every row (samples of one prompt share it); keys/values then
         hold only each row's columns [S, T). Offsets, valid and T count all columns.
+    paged: None, or the K/V left in a paged engine's blocks (keys/values are then empty and
+        T is the longest row); release() it once the expert is done.
     """
 
     keys: list[torch.Tensor]
@@ -58,8 +97,11 @@ class PrefixCache:
     valid: torch.Tensor | None = None
     shared_keys: list[torch.Tensor] | None = None
     shared_values: list[torch.Tensor] | None = None
+    paged: PagedPrefix | None = None
 
     def __post_init__(self) -> None:
+        if self.paged is not None and (self.keys or self.values or self.shared_keys is not None):
+            raise ValueError("paged: a paged cache holds no keys/values/shared_keys of its own")
         if (self.shared_keys is None) != (self.shared_values is None):
             raise ValueError("shared_keys/shared_values: give both or neither")
         if self.shared_keys is not None:
@@ -69,7 +111,11 @@ class PrefixCache:
 
     @property
     def rows(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[0].shape[0] if self.paged is None else self.paged.block_table.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.keys[0] if self.paged is None else self.paged.key_blocks[0]).device
 
     @property
     def shared_length(self) -> int:
@@ -78,13 +124,23 @@ class PrefixCache:
 
     @property
     def length(self) -> int:
+        if self.paged is not None:
+            return max(self.paged.lengths)
         return self.shared_length + self.keys[0].shape[2]
 
+    def release(self) -> None:
+        """Hand a paged cache's blocks back to its engine (nothing to do for the others)."""
+        if self.paged is not None:
+            self.paged.release()
+
     def materialized(self) -> PrefixCache:
-        """The same cache with every row's columns in its own tensors (no shared part).
+        """The same cache with every row's columns in its own tensors (no shared part, not paged).
 
         For consumers of the plain (N, H_kv, T, D) layout: the reference expert path, tests.
         """
+        if self.paged is not None:
+            keys, values = self.paged.gather(self.length)
+            return PrefixCache(keys, values, self.offsets, self.rope_deltas, self.valid)
         if self.shared_keys is None:
             return self
 

@@ -4,9 +4,14 @@ Same contract as the HF backend (core.backbone.Backbone): our own prompt ids and
 preprocessed (resized uint8) frames go in, reasoning ids and a PrefixCache come out. vLLM
 internals are touched only through core.vllm_adapter.
 
+The PrefixCache is paged (PrefixCache.paged): the K/V stay in vLLM's cache blocks, which the
+engine holds for us until the cache is released (the pipeline does so after the expert ran,
+and a cache nobody references any more is released at the next engine step), so handing the
+K/V over copies nothing but each row's block table.
+
 Each sample is its own vLLM request (n=1, seed = base seed + row), so rows never wait for
-each other; the samples of one rollout share the prompt's processing, prefill and K/V (see
-vllm_adapter.run_requests, shared_prompt), so the expert reads that prefix once for all rows. A row ends when it samples `<|im_end|>` (kept), at max_new_tokens, or one token
+each other; the samples of one rollout share the prompt's processing, prefill and K/V blocks
+(see vllm_adapter.run_requests, shared_prompt), so the prompt is held once for all rows. A row ends when it samples `<|im_end|>` (kept), at max_new_tokens, or one token
 after its first `<|traj_future_start|>` (it is aborted once that token is seen), which gives
 upstream's cache for that row. Upstream keeps early rows decoding until the last row stops;
 those extra tokens sit at columns >= offset, which the expert masks, so the plans agree.
@@ -26,13 +31,15 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from .backbone import PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
+from .backbone import PagedPrefix, PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
 from .config import AlpamayoConfig
 from .tokenizer import TokenIds
 
@@ -184,6 +191,11 @@ class VLLMBackbone:
                 self._adapter.close_history(self.plan_history)
             self._llm = None
 
+    def free_kv_blocks(self) -> int:
+        """Blocks of vLLM's K/V cache free now (held ones are not): a diagnostic, and how the
+        tests see that every plan hands its blocks back."""
+        return self._adapter.free_block_count(self._llm)
+
     # -- Backbone protocol ------------------------------------------------------------
 
     def rollout(
@@ -325,7 +337,8 @@ class VLLMBackbone:
             # the workers' K/V copy (vllm_adapter.tp) reads whole rows: samples share a prompt only in-process
             shared_prompt=num_samples > 1 and self.expert_sampler is None,
         )
-        self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
+        with self._released_on_error([r.captured for r in results]):
+            self._check_expansion(prompt, [r.prompt_token_ids for r in results], [()] * num_samples)
         return results
 
     def _feed(self, prompt: PromptInputs, rows: Sequence[Sequence[int]]) -> list[Any]:
@@ -333,8 +346,23 @@ class VLLMBackbone:
         params = self._adapter.sampling_params(temperature=0.0, top_p=1.0, max_tokens=1, seed=0)
         requests = [(request, params) for request in self._requests(prompt, rows)]
         results = self._adapter.run_requests(self._llm, self._sink, requests, stop_after=None, capture=True)
-        self._check_expansion(prompt, [r.prompt_token_ids for r in results], rows)
+        with self._released_on_error([r.captured for r in results]):
+            self._check_expansion(prompt, [r.prompt_token_ids for r in results], rows)
         return [r.captured for r in results]
+
+    @contextmanager
+    def _released_on_error(self, captured: Sequence[Any]) -> Iterator[None]:
+        """Release the held blocks of these captures if the block raises."""
+        try:
+            yield
+        except BaseException:
+            self._release_now(captured)
+            raise
+
+    def _release_now(self, captured: Sequence[Any]) -> None:
+        held = sorted({c.request_id for c in captured if isinstance(c, self._adapter.HeldKV)})
+        if held:
+            self._adapter.release_requests(self._llm, self._sink, held)
 
     def _requests(self, prompt: PromptInputs, rows: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
         """vLLM inputs for prompt + each row: our ids, each image block collapsed to one pad.
@@ -375,49 +403,59 @@ class VLLMBackbone:
     def _prefix_cache(
         self, prompt: PromptInputs, captured: list[Any], lengths: list[int], generated: Sequence[Sequence[int]]
     ) -> PrefixCache:
-        """Stack per-row captures into (N, H, T, D) layers; short rows are right-padded.
+        """The rows' K/V where vLLM holds them: a block table per row, nothing copied.
 
-        Samples of one prompt (rows after the first captured from the prompt's end on, see
-        run_requests) give a shared cache: the prompt's K/V once, from the first row, and
-        each row's own columns after it. offset = just after the first
-        <|traj_future_start|>, else prompt + the row's length (upstream: last index + 1),
-        as in the HF backend.
+        offset = just after the first <|traj_future_start|>, else prompt + the row's length
+        (upstream: last index + 1), as in the HF backend. Rows of one prompt list the same
+        prompt blocks (run_requests, shared_prompt), which the expert then reads in place.
         """
         if self.expert_sampler is not None:  # tensor parallel: the workers hold the K/V
             return self.expert_sampler.prefix_cache(prompt, captured, lengths, generated, self._ids.traj_future_start)
-        prompt_len = int(prompt.input_ids.shape[0])
-        shared = prompt_len if any(capture.start for capture in captured) else 0
-        for row, (capture, length) in enumerate(zip(captured, lengths)):
-            if capture.start + capture.keys[0].shape[0] < length or capture.start > shared:
-                held = (capture.start, capture.start + capture.keys[0].shape[0])
-                raise RuntimeError(f"row {row}: vLLM holds K/V of positions {held}, need [{shared}, {length})")
-        rows, width = len(captured), max(lengths)
-        _, heads, head_dim = captured[0].keys[0].shape  # (T, H, D)
-        device = captured[0].keys[0].device
-        keys, values, shared_keys, shared_values = [], [], [], []
-        for layer in range(len(captured[0].keys)):
-            if shared:  # (1, H, S, D), the first row's (it read the whole prompt)
-                shared_keys.append(captured[0].keys[layer][:shared].transpose(0, 1)[None].contiguous())
-                shared_values.append(captured[0].values[layer][:shared].transpose(0, 1)[None].contiguous())
-            k = captured[0].keys[layer].new_zeros(rows, heads, width - shared, head_dim)  # as HF's cache
-            v = torch.zeros_like(k)
+        with self._released_on_error(captured):
             for row, (capture, length) in enumerate(zip(captured, lengths)):
-                own = slice(shared - capture.start, length - capture.start)
-                k[row, :, : length - shared] = capture.keys[layer][own].transpose(0, 1)
-                v[row, :, : length - shared] = capture.values[layer][own].transpose(0, 1)
-            for capture in captured:  # release this layer's row copies before the next one
-                capture.keys[layer] = capture.values[layer] = None
-            keys.append(k)
-            values.append(v)
-        valid = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-        stop = self._ids.traj_future_start
-        offsets = [prompt_len + (row.index(stop) + 1 if stop in row else len(row)) for row in map(list, generated)]
+                if capture.num_tokens < length:
+                    raise RuntimeError(f"row {row}: vLLM holds K/V of {capture.num_tokens} positions, need {length}")
+            key_blocks, value_blocks, block_size = self._sink.block_views()
+            tables = [self._sink.kernel_block_ids(c.block_ids, block_size, n) for c, n in zip(captured, lengths)]
+            table = torch.zeros(len(tables), max(ids.numel() for ids in tables), dtype=torch.int32)
+            for row, ids in enumerate(tables):
+                table[row, : ids.numel()] = ids
+            device = key_blocks[0].device
+            width = max(lengths)
+            valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+            stop = self._ids.traj_future_start
+            offsets = [
+                int(prompt.input_ids.shape[0]) + (row.index(stop) + 1 if stop in row else len(row))
+                for row in map(list, generated)
+            ]
+            paged = PagedPrefix(key_blocks, value_blocks, table.to(device, non_blocking=True), list(lengths), _unset)
+            paged.release = self._releaser(paged, captured)
         return PrefixCache(
-            keys=keys,
-            values=values,
-            offsets=torch.tensor(offsets, dtype=torch.long, device=device),
-            rope_deltas=torch.full((rows,), prompt.rope_delta, dtype=torch.long, device=device),
-            valid=None if all(length == width for length in lengths) else valid,
-            shared_keys=shared_keys or None,
-            shared_values=shared_values or None,
+            keys=[],
+            values=[],
+            offsets=torch.tensor(offsets, dtype=torch.long).to(device),
+            rope_deltas=torch.full((len(lengths),), prompt.rope_delta, dtype=torch.long).to(device),
+            valid=None if all(length == width for length in lengths) else valid.to(device),
+            paged=paged,
         )
+
+    def _releaser(self, paged: PagedPrefix, captured: Sequence[Any]) -> Callable[[], None]:
+        """PagedPrefix.release for these captures: sync the device (the expert's kernels may still
+        read the blocks), then free them. Should nobody call it, the blocks are released when
+        `paged` is collected (and freed by the engine's next step)."""
+        request_ids = sorted({c.request_id for c in captured})
+        finalizer = weakref.finalize(paged, self._sink.release, request_ids)
+        llm, sink, adapter = self._llm, self._sink, self._adapter
+
+        def release() -> None:
+            if finalizer.detach() is None:
+                return  # released before
+            if sink.caches and sink.caches[0].is_cuda:
+                torch.cuda.synchronize(sink.caches[0].device)
+            adapter.release_requests(llm, sink, request_ids)
+
+        return release
+
+
+def _unset() -> None:
+    raise RuntimeError("PagedPrefix.release: not set yet")

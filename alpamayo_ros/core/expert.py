@@ -8,13 +8,16 @@ tokens, bidirectionally. Module names mirror upstream's checkpoint keys (`expert
 One forward per module; where the keys come from is the K/V source's business
 (expert_attention.py). `velocity(x, t, cache)` is the reference: the cache and the action K/V
 concatenated on every call, masked (upstream's append-then-crop; the tests' and benches'
-oracle). The fast path copies the cache once into a paged ExpertState (expert_state.py,
+oracle). The fast path copies a plain cache once into a paged ExpertState (expert_state.py,
 `prepare` / `load_state`), and `velocity_prepared(x, t, state)` then writes only the action
-tokens' K/V per step. The two agree within float rounding; the cache is never mutated.
+tokens' K/V per step; a paged cache (K/V an engine holds) only gets block tables
+(BlockTableState) and is read where it lies. They agree within float rounding; the cache is
+never mutated.
 
-Just over 400 lines: one class per architectural unit (rope, attention with its fused QKV,
-MLP, layer, model, action expert), composed upward in the order of upstream's checkpoint keys;
-the input side and the prefix bookkeeping already live in expert_action.py and expert_prefix.py.
+Over 400 lines: one class per architectural unit (rope, attention with its fused QKV, MLP,
+layer, model, action expert), composed upward in the order of upstream's checkpoint keys, and
+the loading of the two fast-path states; the input side and the prefix bookkeeping already
+live in expert_action.py and expert_prefix.py.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from alpamayo_ros.core.expert_prefix import (
     blocked_prefix,
     build_positions_and_mask,
     check_cache_layers,
+    check_paged_layers,
 )
-from alpamayo_ros.core.expert_state import ExpertState
+from alpamayo_ros.core.expert_state import BlockTableState, ExpertState
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +374,7 @@ class ActionExpertModel(nn.Module):
 
         The reference path; free of host syncs.
         """
-        n_rows = cache.keys[0].shape[0]
+        n_rows = cache.rows
         self._check_action(x, t, n_rows)
         cache = cache.materialized()  # the reference reads every row's columns in full
         self.expert._check_layers(cache.keys, cache.values, n_rows)
@@ -390,20 +394,37 @@ class ActionExpertModel(nn.Module):
             shared=shared,
         )
 
-    def load_state(self, state: ExpertState, caches: Sequence[PrefixCache]) -> None:
+    def new_paged_state(self, rows: int, width: int, cache: PrefixCache) -> BlockTableState:
+        """Empty BlockTableState of `rows` rows of up to `width` blocks over a paged cache's blocks."""
+        if cache.paged is None:
+            raise ValueError("cache: not paged (new_state copies a plain cache)")
+        cfg = self.config
+        check_paged_layers(cache.paged, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        layers = cfg.num_layers
+        return BlockTableState.zeros(
+            rows=rows, width=width, n_tokens=cfg.n_waypoints, key_blocks=cache.paged.key_blocks[:layers],
+            value_blocks=cache.paged.value_blocks[:layers], dtype=self.expert.norm.weight.dtype,
+        )
+
+    def load_state(self, state: ExpertState | BlockTableState, caches: Sequence[PrefixCache]) -> None:
         """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
 
-        A shared state takes one cache with a shared part; a plain one any caches without.
-        One host sync per cache: which columns each row keeps (ExpertState.load).
+        A shared state takes one cache with a shared part; a plain one any caches without; a
+        BlockTableState paged caches over its blocks. One host sync per cache: which columns
+        each row keeps.
         """
-        cfg = self.config
+        rows = sum(cache.rows for cache in caches)
+        if rows != state.rows:
+            raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
+        if isinstance(state, BlockTableState):
+            self._load_paged(state, caches)
+            return
+        if any(cache.paged is not None for cache in caches):
+            raise ValueError("caches: one is paged; load it into a new_paged_state")
         if state.shared and (len(caches) != 1 or caches[0].shared_keys is None):
             raise ValueError("caches: a shared state takes exactly one cache with a shared part")
         if not state.shared and any(cache.shared_keys is not None for cache in caches):
             raise ValueError("caches: one has a shared part; load it into a shared state (new_state(shared=...))")
-        rows = sum(cache.rows for cache in caches)
-        if rows != state.rows:
-            raise ValueError(f"caches: {rows} rows in all for a state of {state.rows} rows")
         start = 0
         for cache in caches:
             self.expert._check_layers(cache.keys, cache.values, cache.rows)
@@ -417,16 +438,33 @@ class ActionExpertModel(nn.Module):
             )
             start += cache.rows
 
-    def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState:
-        """Copy `cache` once into a new ExpertState of `capacity` own columns per row (default
-        the row's columns past the shared prompt + W); a shared cache keeps its prompt once."""
+    def _load_paged(self, state: BlockTableState, caches: Sequence[PrefixCache]) -> None:
+        start = 0
+        for cache in caches:
+            if cache.paged is None or not state.reads(cache.paged.key_blocks):
+                raise ValueError("caches: a BlockTableState takes paged caches over its own blocks")
+            keep = ~blocked_prefix(cache).cpu()
+            kept = keep.sum(dim=1)
+            if not bool((keep == (torch.arange(cache.length)[None, :] < kept[:, None])).all()):
+                raise ValueError("cache: a paged row must keep a leading run of its columns (offset, valid)")
+            state.load(start, cache.paged.block_table, kept, self._rope(cache, state.cos.dtype))
+            start += cache.rows
+
+    def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState | BlockTableState:
+        """The state `cache` is attended through: a paged cache's block tables (BlockTableState,
+        capacity ignored), else a copy in a new ExpertState of `capacity` own columns per row
+        (default the row's columns past the shared prompt + W); a shared cache keeps its prompt once."""
+        if cache.paged is not None:
+            state = self.new_paged_state(cache.rows, cache.paged.block_table.shape[1], cache)
+            self.load_state(state, [cache])
+            return state
         capacity = cache.length - cache.shared_length + self.config.n_waypoints if capacity is None else capacity
         state = self.new_state(cache.rows, capacity, shared=cache.shared_length)
         self.load_state(state, [cache])
         return state
 
     def velocity_prepared(
-        self, x: torch.Tensor, t: torch.Tensor, state: ExpertState, *, step: LayerStep = layer_step
+        self, x: torch.Tensor, t: torch.Tensor, state: ExpertState | BlockTableState, *, step: LayerStep = layer_step
     ) -> torch.Tensor:
         """velocity(x, t, cache) for the cache(s) loaded into `state`.
 

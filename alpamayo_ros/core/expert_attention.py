@@ -1,4 +1,4 @@
-"""Where an expert layer's queries find their keys: the two K/V sources of ExpertAttention.
+"""Where an expert layer's queries find their keys: the three K/V sources of ExpertAttention.
 
 ExpertAttention projects and rotates q, k, v once and hands them to a K/V source, which stores
 the action tokens' K/V where it keeps the prefix and attends:
@@ -12,6 +12,11 @@ the action tokens' K/V where it keeps the prefix and attends:
   H100/H200 with vLLM's FlashAttention-3 at hand, one varlen FA3 call reads the blocks where
   they lie (no mask: a row's length cuts its padding, stop gap and spare columns off); elsewhere
   the blocks are gathered and attended with a length mask (same numbers, slower).
+- `BlockTableKV`, the fast path over K/V a paged engine holds (vLLM's cache, read where it
+  lies, never written): the prefix through the engine's own block table, the action tokens'
+  K/V as they come. With FA3, two calls (the paged prefix, then the action tokens) joined
+  through their log-sum-exps, as vLLM's cascade attention joins its two parts; elsewhere each
+  row's prefix blocks are gathered, the action K/V appended, and attended exactly.
 """
 
 from __future__ import annotations
@@ -206,3 +211,117 @@ class ConcatKV:
         folded = q.transpose(1, 2).reshape(rows, keys.shape[1], -1, head_dim)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=self.folded_mask, scale=head_dim**-0.5)
         return out.reshape(rows, heads, length, head_dim).transpose(1, 2)
+
+
+@torch.library.custom_op("alpamayo::fa3_block_table_attention", mutates_args=())
+def _fa3_block_table_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_blocks: torch.Tensor,
+    value_blocks: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    # Opaque to torch.compile: FA3's op has no fake implementation to trace with.
+    rows, width = block_table.shape
+    queries = q.shape[0] // rows
+    prefix, prefix_lse = _FA3(
+        q, key_blocks, value_blocks, queries, cu_seqlens_q, width * key_blocks.shape[1], seqused_k=lengths,
+        block_table=block_table, softmax_scale=scale, return_softmax_lse=True, fa_version=3, num_splits=num_splits,
+    )
+    own, own_lse = _FA3(
+        q, k, v, queries, cu_seqlens_q, queries, cu_seqlens_k=cu_seqlens_q, softmax_scale=scale,
+        return_softmax_lse=True, fa_version=3,
+    )
+    return _merge(prefix, prefix_lse, own, own_lse)
+
+
+@_fa3_block_table_attention.register_fake
+def _(q, k, v, key_blocks, value_blocks, block_table, lengths, cu_seqlens_q, scale, num_splits):
+    return torch.empty_like(q)
+
+
+def _merge(first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over two key sets from each one's output (T, H, D) and log-sum-exp (H, T)."""
+    first_lse, second_lse = first_lse.t()[..., None], second_lse.t()[..., None]  # (T, H, 1)
+    top = torch.maximum(first_lse, second_lse)
+    first_weight, second_weight = (first_lse - top).exp(), (second_lse - top).exp()
+    merged = (first.float() * first_weight + second.float() * second_weight) / (first_weight + second_weight)
+    return merged.to(first.dtype)
+
+
+def block_table_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_blocks: torch.Tensor,
+    value_blocks: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attend q (N*L, H, D), L queries per row, to row n's first lengths[n] paged keys and to
+    the row's own L action keys k, v (N*L, Hkv, D); the blocks are only read.
+
+    key_blocks/value_blocks: (blocks, block_size, Hkv, D), any strides but the last;
+    block_table: (N, W) int32; lengths: (N,) int32. Returns (N*L, H, D).
+    """
+    rows, width = block_table.shape
+    queries = q.shape[0] // rows
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _FA3 is not None:
+        splits = 1 if q.shape[0] >= 512 else 0  # as paged_attention
+        return _fa3_block_table_attention(
+            q, k, v, key_blocks, value_blocks, block_table, lengths, cu_seqlens_q, scale, splits
+        )
+    block_size, kv_heads, head_dim = key_blocks.shape[1:]
+    heads = q.shape[1]
+    folded = q.view(rows, queries, heads, head_dim).transpose(1, 2).reshape(rows, kv_heads, -1, head_dim)
+    own_k, own_v = k.view(rows, queries, kv_heads, head_dim), v.view(rows, queries, kv_heads, head_dim)
+    if q.device.type == "cpu":
+        # Each row over exactly its keys, in the reference's order (see paged_attention).
+        outs = []
+        for n, used in enumerate(lengths.tolist()):
+            ids = block_table[n, : -(-used // block_size)].long()
+            keys = torch.cat([key_blocks[ids].flatten(0, 1)[:used], own_k[n]])  # (used + L, Hkv, D)
+            values = torch.cat([value_blocks[ids].flatten(0, 1)[:used], own_v[n]])
+            outs.append(F.scaled_dot_product_attention(
+                folded[n : n + 1], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale=scale
+            ))
+        out = torch.cat(outs)
+    else:
+        table = block_table.long()
+        keys = torch.cat([key_blocks[table].flatten(1, 2), own_k], dim=1).transpose(1, 2)  # (N, Hkv, W*bs+L, D)
+        values = torch.cat([value_blocks[table].flatten(1, 2), own_v], dim=1).transpose(1, 2)
+        columns = torch.arange(keys.shape[2], device=q.device)[None, :]
+        blocked = (columns >= lengths[:, None].long()) & (columns < width * block_size)
+        bias = torch.zeros(rows, 1, 1, keys.shape[2], dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(blocked[:, None, None, :], torch.finfo(q.dtype).min)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scale)
+    return out.reshape(rows, heads, queries, head_dim).transpose(1, 2).reshape(rows * queries, heads, head_dim)
+
+
+@dataclass
+class BlockTableKV:
+    """One layer of a BlockTableState (expert_state.py) as seen by ExpertAttention."""
+
+    key_blocks: torch.Tensor
+    value_blocks: torch.Tensor
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
+        rows, length, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        out = block_table_attention(
+            q.reshape(rows * length, heads, head_dim), k.reshape(-1, kv_heads, head_dim),
+            v.reshape(-1, kv_heads, head_dim), self.key_blocks, self.value_blocks, self.block_table,
+            self.lengths, self.cu_seqlens_q, head_dim**-0.5,
+        )
+        return out.view(rows, length, heads, head_dim)

@@ -1,5 +1,6 @@
 """How a PrefixCache becomes the action expert's inputs: where the action tokens sit (M-RoPE
-positions), which prefix columns they may attend, and the reference path's 4D mask."""
+positions), which prefix columns they may attend, the reference path's 4D mask, and the
+checks of its layers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from alpamayo_ros.core.backbone import PrefixCache
+from alpamayo_ros.core.backbone import PagedPrefix, PrefixCache
 
 
 def check_cache_layers(
@@ -33,15 +34,30 @@ def check_cache_layers(
         )
 
 
+def check_paged_layers(paged: PagedPrefix, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    """Raise a ValueError naming cache.paged unless it has >= num_layers (blocks, bs, Hkv, D)
+    layers (with a contiguous last dim on CUDA, which FlashAttention needs)."""
+    if len(paged.key_blocks) < num_layers or len(paged.value_blocks) < num_layers:
+        raise ValueError(f"cache.paged: {len(paged.key_blocks)} cache layers for {num_layers} expert layers")
+    blocks = paged.key_blocks[0]
+    if blocks.ndim != 4 or tuple(blocks.shape[2:]) != (num_kv_heads, head_dim) or (
+        blocks.is_cuda and blocks.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"cache.paged: expected blocks (blocks, block_size, {num_kv_heads}, {head_dim}), got"
+            f" {tuple(blocks.shape)} strides {blocks.stride()}"
+        )
+
+
 def action_positions(cache: PrefixCache, n_tokens: int) -> torch.Tensor:
     """M-RoPE positions (3, N, n) int64: token j of row i sits at j + offset + rope_delta."""
-    n_rows = cache.keys[0].shape[0]
+    n_rows = cache.rows
     if tuple(cache.offsets.shape) != (n_rows,) or tuple(cache.rope_deltas.shape) != (n_rows,):
         raise ValueError(
             f"cache.offsets/rope_deltas: expected ({n_rows},), got"
             f" {tuple(cache.offsets.shape)}/{tuple(cache.rope_deltas.shape)}"
         )
-    device = cache.keys[0].device
+    device = cache.device
     start = cache.offsets.to(device=device, dtype=torch.long)
     start = start + cache.rope_deltas.to(device=device, dtype=torch.long)
     token = torch.arange(n_tokens, device=device)
@@ -54,7 +70,7 @@ def blocked_prefix(cache: PrefixCache) -> torch.Tensor:
     Those are the columns [offset, T) (tokens other rows generated past their stop) and
     the ones where cache.valid is False.
     """
-    n_rows, length, device = cache.rows, cache.length, cache.keys[0].device
+    n_rows, length, device = cache.rows, cache.length, cache.device
     if tuple(cache.offsets.shape) != (n_rows,):
         raise ValueError(f"cache.offsets: expected ({n_rows},), got {tuple(cache.offsets.shape)}")
     if cache.valid is not None and tuple(cache.valid.shape) != (n_rows, length):

@@ -1,4 +1,10 @@
-"""The per-plan state the action expert's fast path attends over: paged K/V and a block table.
+"""The per-plan states the action expert's fast path attends over: paged K/V and a block table.
+
+Two kinds: ExpertState holds a copy of a plain (contiguous) prefix cache in blocks of its own;
+BlockTableState holds only block tables into K/V a paged engine keeps (PrefixCache.paged,
+vLLM's cache), read in place, and the action tokens' K/V stay apart (BlockTableKV).
+
+ExpertState:
 
 `ActionExpertModel.prepare(cache)` (or a sampler's persistent state, refilled per plan by
 `load_state`) copies a prefix cache once into blocks of PAGE tokens per layer; each flow step
@@ -14,7 +20,7 @@ then writes only the W action tokens' K/V into their slots and attends through P
   blocks; the prompt's partial last block is copied into each row's own blocks, followed by
   the row's own columns. The prompt is held, and read per layer, once.
 
-The state's tensors keep their addresses across loads (a captured graph holds them); load_*
+The states' tensors keep their addresses across loads (a captured graph holds them); load_*
 rewrites their contents.
 """
 
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alpamayo_ros.core.expert_attention import PAGE, PagedKV, fa3_varlen
+from alpamayo_ros.core.expert_attention import PAGE, BlockTableKV, PagedKV, fa3_varlen
 
 
 def _blocks(columns: int) -> int:
@@ -198,4 +204,87 @@ class ExpertState:
         self.block_table[rows_at] = table.to(device)
         self.lengths[rows_at] = (full * PAGE + used + self.n_tokens).to(device=device, dtype=torch.int32)
         self.slots[start * self.n_tokens : (start + n_rows) * self.n_tokens] = slots.reshape(-1).to(device)
+        self.cos[rows_at], self.sin[rows_at] = rope
+
+
+@dataclass
+class BlockTableState:
+    """Block tables into a paged engine's K/V for one plan's rows (see the module docstring).
+
+    key_blocks/value_blocks: per expert layer, the engine's (blocks, block_size, Hkv, D) views;
+    block_table: (N, W) int32, each row's blocks in order; lengths: (N,) int32, the prefix keys
+    each row attends (its kept columns, a leading run); cu_seqlens_q: (N+1,) int32, L queries
+    per row (the action tokens); cos/sin: (N, L, 1, D) their RoPE.
+    """
+
+    key_blocks: list[torch.Tensor]
+    value_blocks: list[torch.Tensor]
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls,
+        *,
+        rows: int,
+        width: int,
+        n_tokens: int,
+        key_blocks: Sequence[torch.Tensor],
+        value_blocks: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+    ) -> BlockTableState:
+        """A state of `rows` rows of up to `width` blocks each over these layers' blocks."""
+        if rows < 1 or width < 1:
+            raise ValueError(f"rows/width: must be >= 1, got {rows}/{width}")
+        device = key_blocks[0].device
+        if device.type == "cuda":
+            fa3_varlen()  # looked up (and logged) once, outside any compiled region
+        ints = {"device": device, "dtype": torch.int32}
+        head_dim = key_blocks[0].shape[-1]
+        return cls(
+            key_blocks=list(key_blocks),
+            value_blocks=list(value_blocks),
+            block_table=torch.zeros(rows, width, **ints),
+            lengths=torch.zeros(rows, **ints),
+            cu_seqlens_q=torch.arange(0, rows * n_tokens + 1, n_tokens, **ints),
+            cos=torch.zeros(rows, n_tokens, 1, head_dim, device=device, dtype=dtype),
+            sin=torch.zeros(rows, n_tokens, 1, head_dim, device=device, dtype=dtype),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.block_table.shape[1]
+
+    def reads(self, key_blocks: Sequence[torch.Tensor]) -> bool:
+        """Whether these are the blocks the state reads (the same engine cache)."""
+        return len(key_blocks) >= len(self.key_blocks) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            for a, b in zip(self.key_blocks, key_blocks)
+        )
+
+    def layers(self) -> list[BlockTableKV]:
+        """Per expert layer, the K/V source ExpertAttention attends through."""
+        meta = (self.block_table, self.lengths, self.cu_seqlens_q)
+        return [BlockTableKV(k, v, *meta) for k, v in zip(self.key_blocks, self.value_blocks)]
+
+    def load(
+        self, start: int, block_table: torch.Tensor, kept: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Point rows [start, start + n) at their blocks: block_table (n, w) int32, kept (n,)
+        prefix keys per row, rope: cos, sin (n, L, 1, D)."""
+        n_rows, width = block_table.shape
+        if start + n_rows > self.rows:
+            raise ValueError(f"cache: rows {start}..{start + n_rows - 1} beyond the state's {self.rows} rows")
+        if width > self.width:
+            raise ValueError(f"cache: {width} blocks per row exceed the state's {self.width}")
+        rows_at = slice(start, start + n_rows)
+        self.block_table[rows_at, :width] = block_table.to(self.block_table.device)
+        self.lengths[rows_at] = kept.to(device=self.lengths.device, dtype=torch.int32)
         self.cos[rows_at], self.sin[rows_at] = rope

@@ -21,7 +21,7 @@ import torch
 
 from alpamayo_ros.core.backbone import PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel, LayerStep, layer_step
-from alpamayo_ros.core.expert_state import ExpertState
+from alpamayo_ros.core.expert_state import BlockTableState, ExpertState
 from alpamayo_ros.core.types import NUM_WAYPOINTS, PlanCancelled
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def sample(
 class _Runner:
     """Static buffers (and on CUDA the captured graph) of one (capacity, rows, ...) shape."""
 
-    state: ExpertState  # conditional rows first, then route-free rows when guided
+    state: ExpertState | BlockTableState  # conditional rows first, then route-free rows when guided
     x0: torch.Tensor  # (N, 64, 2) fp32, copied in before each run
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None  # what the graph writes
@@ -148,8 +148,10 @@ class ExpertSampler:
     that bucket and row count, with nothing masked. A guided plan runs conditional and
     route-free rows as one batch, so each step reads the weights once. Samples of one prompt
     (a cache with a shared part) keep the prompt once; their own columns are rounded up to
-    min(bucket, 64). Graphs are captured lazily on first use of a shape and kept (about 1 s);
-    on CPU (or with cuda_graphs=False) the same states run eagerly.
+    min(bucket, 64). A paged cache (K/V an engine holds, PrefixCache.paged) is read in place:
+    its state holds block tables of the longest row's bucket in blocks. Graphs are captured
+    lazily on first use of a shape and kept (about 1 s); on CPU (or with cuda_graphs=False)
+    the same states run eagerly.
 
     compile_layers: torch.compile the layer step (fuses the norms, RoPE and K/V writes; 30%
     faster on an H200). Compiled per shape, so a new shape's first call takes seconds; past
@@ -187,7 +189,7 @@ class ExpertSampler:
         )
         # Least recently used shape first; bounded so a long-running node with varying prompt
         # lengths keeps at most max_shapes states (and graphs) alive.
-        self._runners: OrderedDict[tuple[int, int, int, float | None, int], _Runner] = OrderedDict()
+        self._runners: OrderedDict[tuple[int, int, int, float | None, int, int], _Runner] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.uses_cuda_graphs else None
 
     def _round(self, columns: int, bucket: int) -> int:
@@ -219,37 +221,46 @@ class ExpertSampler:
             raise ValueError(
                 f"guidance_weight: {guidance_weight} needs uncond_cache (only 1.0 works without)"
             )
-        if uncond_cache is not None or cache.rows == 1:
+        paged = cache.paged is not None
+        if uncond_cache is not None and (uncond_cache.paged is not None) != paged:
+            raise ValueError("uncond_cache: must be paged exactly when cache is (one engine makes both)")
+        if not paged and (uncond_cache is not None or cache.rows == 1):
             # guided rows ride in one plain batch (see _integrate); one row has nothing to share
             cache = cache.materialized()
-        rows = cache.keys[0].shape[0]
+        rows = cache.rows
         caches = [cache] if uncond_cache is None else [cache, uncond_cache]
-        if any(c.keys[0].shape[0] != rows for c in caches):
-            raise ValueError(
-                f"uncond_cache: {uncond_cache.keys[0].shape[0]} rows, cache has {rows}"
-            )
+        if any(c.rows != rows for c in caches):
+            raise ValueError(f"uncond_cache: {uncond_cache.rows} rows, cache has {rows}")
         x0 = initial_noise(
             rows, noise_temperature=noise_temperature, generator=generator,
             init_noise=init_noise, device=self.device,
         )
         weight = None if uncond_cache is None else guidance_weight
         shared = 0
-        if cache.shared_keys is not None:
+        if paged:
+            # blocks per row, for the longest row rounded to the bucket; one state per engine cache
+            block_size = cache.paged.block_size
+            capacity = -(-self._round(max(c.length for c in caches), self.bucket) // block_size)
+        elif cache.shared_keys is not None:
             shared = self._round(cache.shared_length, self.bucket)
             own = cache.length - cache.shared_length + self.expert.config.n_waypoints
             capacity = self._round(own, min(self.bucket, 64))
         else:
             capacity = self.capacity_for(max(c.length for c in caches))
-        key = (capacity, rows, steps, weight, shared)
+        storage = cache.paged.key_blocks[0].data_ptr() if paged else 0  # a state reads one engine's blocks
+        key = (capacity, rows, steps, weight, shared, storage)
         runner = self._runners.get(key)
         fresh = runner is None
         if fresh:
-            state = self.expert.new_state(rows * len(caches), capacity, shared=shared)
+            if paged:
+                state = self.expert.new_paged_state(rows * len(caches), capacity, cache)
+            else:
+                state = self.expert.new_state(rows * len(caches), capacity, shared=shared)
             runner = _Runner(state=state, x0=torch.zeros_like(x0))
             self._runners[key] = runner
             if len(self._runners) > self.max_shapes:
                 self._runners.popitem(last=False)
-            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, shared)")
+            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, shared, storage)")
         else:
             self._runners.move_to_end(key)
         self.expert.load_state(runner.state, caches)
@@ -262,7 +273,7 @@ class ExpertSampler:
         return runner.output.clone()
 
     def _integrate(
-        self, state: ExpertState, x0: torch.Tensor, steps: int, weight: float | None
+        self, state: ExpertState | BlockTableState, x0: torch.Tensor, steps: int, weight: float | None
     ) -> torch.Tensor:
         """Euler loop over a loaded state; guided rows ride along in the same batch."""
 

@@ -210,22 +210,30 @@ class Pipeline:
         if settings.cfg_weight is not None and not guided:
             logger.debug("cfg_weight set but the input has no route_text: plain sampling")
         uncond_cache = None
-        self._check_stop()
-        if guided:
-            with self._timed(timings, "cfg_prefill"):
-                free_ids = remove_route_span(prompt.input_ids.tolist(), self.tokenizer)
-                free_prompt = build_prompt_inputs(free_ids, images, image_token_id=self.tokenizer.ids.image_pad)
-                uncond_cache = self.backbone.prefill(free_prompt, rollout.generated_ids)
-        with self._timed(timings, "expert"):
-            action = self.expert_sampler.sample(
-                rollout.cache,
-                steps=settings.flow_steps,
-                noise_temperature=settings.noise_temperature,
-                generator=generator,
-                init_noise=init_noise,
-                uncond_cache=uncond_cache,
-                guidance_weight=settings.cfg_weight if guided else 1.0,
-            )
+        try:
+            self._check_stop()
+            if guided:
+                with self._timed(timings, "cfg_prefill"):
+                    free_ids = remove_route_span(prompt.input_ids.tolist(), self.tokenizer)
+                    free_prompt = build_prompt_inputs(free_ids, images, image_token_id=self.tokenizer.ids.image_pad)
+                    uncond_cache = self.backbone.prefill(free_prompt, rollout.generated_ids)
+            with self._timed(timings, "expert"):
+                action = self.expert_sampler.sample(
+                    rollout.cache,
+                    steps=settings.flow_steps,
+                    noise_temperature=settings.noise_temperature,
+                    generator=generator,
+                    init_noise=init_noise,
+                    uncond_cache=uncond_cache,
+                    guidance_weight=settings.cfg_weight if guided else 1.0,
+                )
+        finally:
+            # a paged backend (vLLM) holds the K/V in its cache until the expert is done with it
+            paged = [cache for cache in (rollout.cache, uncond_cache) if cache is not None and cache.paged is not None]
+            if paged:
+                with self._timed(timings, "backbone.kv_release"):
+                    for cache in paged:
+                        cache.release()
         with self._timed(timings, "action"):
             # On the host: a few hundred scalars through ~100 tiny ops and a small SPD solve
             # take 0.2 ms there and ~3 ms as GPU kernel launches (bench/RESULTS.md). The rows

@@ -4,7 +4,8 @@
   takes our resized uint8 frames, and can mask the <i*> logits engine-wide;
 * model_dir: the small HF-style folder vLLM loads from (JSON files + symlinks to the weights);
 * kv_layout: one paged-cache reader per attention-backend layout;
-* capture: the K/V capture connector and the sink it fills;
+* capture: the K/V capture connector (it holds a finished request's blocks for the expert)
+  and the sink it fills;
 * mask: the <i*> mask as a per-request logits processor (TokenMask), for a minimum length
   below the maximum;
 * engine: the in-process engine and its request loop (with upstream's stop rule as an abort);
@@ -17,14 +18,15 @@ detected by feature (attention backend name, cache tensor shape, CPU ISA), never
 string.
 """
 
-from .capture import close_sink, open_sink
-from .engine import create_engine, run_requests, sampling_params, shutdown_engine
+from .capture import HeldKV, close_sink, open_sink
+from .engine import create_engine, free_block_count, release_requests, run_requests, sampling_params, shutdown_engine
 from .mask import MaskSpec
 from .model import frame_inputs
 from .model_dir import materialize_model_dir
 from .speculation import PROMPT_TAIL, PlanHistory, close_history, open_history
 
 __all__ = [
+    "HeldKV",
     "MaskSpec",
     "PROMPT_TAIL",
     "PlanHistory",
@@ -32,9 +34,11 @@ __all__ = [
     "close_sink",
     "create_engine",
     "frame_inputs",
+    "free_block_count",
     "materialize_model_dir",
     "open_history",
     "open_sink",
+    "release_requests",
     "run_requests",
     "sampling_params",
     "shutdown_engine",

@@ -1,18 +1,24 @@
-"""The K/V capture: a KV connector that copies each finished request's K/V out of the cache.
+"""The K/V capture: a KV connector that keeps each finished request's blocks for the expert.
 
 How the K/V reaches the caller: a KV connector (vLLM's experimental ``KVConnectorBase_V1``)
 whose scheduler-side ``request_finished`` hook fires once per request, after the last forward
-and before the request's blocks are freed. At that moment the hook reads the request's blocks
-straight out of the paged cache tensors that the worker-side instance of the same connector
-registered. Both instances must live in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-one worker), which is also how the captured tensors reach the backbone without a transport.
-No per-layer hook runs inside the forward, so full CUDA graphs stay on.
+and before the request's blocks are freed. For a request the backbone asked for, the hook
+records which blocks hold it (HeldKV) and answers "free later", vLLM's own contract for a
+connector still sending a request's K/V: the blocks stay allocated, so nothing overwrites
+them, until the worker-side ``get_finished`` reports the request as finished sending, which
+it does once the caller released it (CaptureSink.release, after the expert read the blocks
+in place through the cache tensors the worker side registered). Both instances must live in
+the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker), which is also how
+the cache tensors reach the backbone without a transport. No per-layer hook runs inside the
+forward, so full CUDA graphs stay on. (Tensor parallel, tp.py, overrides CaptureSink.take to
+copy the shards inside the workers instead, and holds nothing.)
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .kv_layout import CacheLayout, detect_layout, read_blocks
+from .kv_layout import CacheLayout, block_views, detect_layout, read_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -35,21 +41,31 @@ SINK_KEY = "alpamayo_capture_sink"
 
 @dataclass
 class CapturedKV:
-    """K/V of one finished request: one (T - start, H, D) tensor per decoder layer, for the
-    positions [start, T), T = tokens fed."""
+    """K/V of one finished request, copied out: one (T, H, D) tensor per decoder layer, T = tokens fed."""
 
     token_ids: list[int]  # every token of the request the engine saw (prompt + sampled)
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    start: int = 0  # first position read (the ones before are another request's, see engine.run_requests)
+
+
+@dataclass
+class HeldKV:
+    """A finished request whose K/V stay in the paged cache: its blocks, held until released."""
+
+    request_id: str
+    token_ids: list[int]  # every token of the request the engine saw (prompt + sampled)
+    block_ids: list[int]  # the scheduler's blocks, in position order
+    num_tokens: int  # positions [0, num_tokens) hold its K/V (the tokens fed)
 
 
 @dataclass
 class CaptureSink:
     """Meeting point of the two connector instances and the backbone, all in one process.
 
-    The worker side fills the cache tensors and layouts; the scheduler side reads finished
-    requests that the backbone asked for (``wanted``) into ``captured``.
+    The worker side fills the cache tensors and layouts; the scheduler side records finished
+    requests that the backbone asked for (``wanted``) in ``captured`` and holds their blocks
+    (``held``) until the backbone releases them; the worker side then reports them freeable
+    (``releasing``) and the scheduler side sees them freed (``freeing`` empties).
     """
 
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -57,8 +73,12 @@ class CaptureSink:
     layouts: list[CacheLayout] = field(default_factory=list)
     scheduler_block_size: int = 0
     wanted: set[str] = field(default_factory=set)
-    skip: dict[str, int] = field(default_factory=dict)  # wanted request -> first position to read
-    captured: dict[str, CapturedKV] = field(default_factory=dict)
+    captured: dict[str, CapturedKV | HeldKV] = field(default_factory=dict)
+    held: set[str] = field(default_factory=set)  # finished requests whose blocks are held
+    releasing: set[str] = field(default_factory=set)  # released, not yet reported by the worker side
+    freeing: set[str] = field(default_factory=set)  # released, not yet freed by the scheduler
+    # NOTE: the worker side may report from the engine's execution thread (async scheduling)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transfer_config(self) -> dict[str, Any]:
         """The kv_transfer_config that installs the capture connector for this sink."""
@@ -69,34 +89,52 @@ class CaptureSink:
             "kv_connector_extra_config": {SINK_KEY: self.key},
         }
 
-    def take(self, request_id: str, token_ids: list[int], block_ids: list[int], num_tokens: int) -> CapturedKV:
-        """A finished request's K/V, read now: its blocks are freed right after. A shared-prompt
-        row is read from where its prompt ends (skip), the prompt itself once, from the first row."""
-        start = self.skip.pop(request_id, 0)
-        keys, values = self.read(block_ids, num_tokens, start)
-        return CapturedKV(token_ids, keys, values, start)
+    def take(self, request_id: str, token_ids: list[int], block_ids: list[int], num_tokens: int) -> CapturedKV | HeldKV:
+        """What the backbone gets of a finished request: here a record of its blocks, which the
+        connector then holds (a HeldKV); a copy (CapturedKV) leaves them to be freed now."""
+        return HeldKV(request_id, token_ids, block_ids, num_tokens)
 
-    def read(
-        self, block_ids: list[int], num_tokens: int, start: int = 0
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer K/V of the positions [start, num_tokens) held by these scheduler blocks."""
+    def release(self, request_ids: list[str]) -> None:
+        """The backbone is done with these requests' blocks: the next engine step frees them.
+
+        Requests that never finished are no longer wanted (if they finish later, their blocks
+        are freed at once). Safe from any thread and for ids released before.
+        """
+        with self.lock:
+            for request_id in request_ids:
+                self.wanted.discard(request_id)
+                if request_id in self.held:
+                    self.held.discard(request_id)
+                    self.releasing.add(request_id)
+                    self.freeing.add(request_id)
+
+    def read(self, block_ids: list[int], num_tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K/V of the positions [0, num_tokens) held by these scheduler blocks, copied."""
         if not self.caches:
             raise RuntimeError("KV capture: the worker never registered its caches")
-        kernel_ids: dict[tuple[int, torch.device], torch.Tensor] = {}  # built once per block size
+        kernel_ids: dict[int, torch.Tensor] = {}  # built once per kernel block size
         keys, values = [], []
         for cache, layout in zip(self.caches, self.layouts):
-            key = (layout.block_size, cache.device)
-            skipped = start // layout.block_size  # whole kernel blocks before start
-            if key not in kernel_ids:
-                ids = self._kernel_block_ids(block_ids, layout.block_size, num_tokens)[skipped:]
-                kernel_ids[key] = ids.to(cache.device)
-            first = skipped * layout.block_size
-            k, v = read_blocks(cache, layout, kernel_ids[key], num_tokens - first)
-            keys.append(k[start - first :])
-            values.append(v[start - first :])
+            if layout.block_size not in kernel_ids:
+                ids = self.kernel_block_ids(block_ids, layout.block_size, num_tokens)
+                kernel_ids[layout.block_size] = ids.to(cache.device)
+            k, v = read_blocks(cache, layout, kernel_ids[layout.block_size], num_tokens)
+            keys.append(k)
+            values.append(v)
         return keys, values
 
-    def _kernel_block_ids(self, block_ids: list[int], kernel_block_size: int, num_tokens: int) -> torch.Tensor:
+    def block_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """Per layer, K and V as (kernel blocks, block_size, H, D) views of the cache (no copy),
+        and that block size (one for all layers)."""
+        if not self.caches:
+            raise RuntimeError("KV capture: the worker never registered its caches")
+        sizes = {layout.block_size for layout in self.layouts}
+        if len(sizes) != 1:
+            raise RuntimeError(f"KV capture: layers use kernel block sizes {sorted(sizes)}; the expert reads one")
+        views = [block_views(cache, layout) for cache, layout in zip(self.caches, self.layouts)]
+        return [k for k, _ in views], [v for _, v in views], sizes.pop()
+
+    def kernel_block_ids(self, block_ids: list[int], kernel_block_size: int, num_tokens: int) -> torch.Tensor:
         """The kernel blocks holding the first num_tokens positions of these scheduler blocks.
 
         The attention kernel may use smaller blocks than the scheduler: scheduler block b is
@@ -142,7 +180,7 @@ _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
 class CaptureKVConnector(KVConnectorBase_V1):
-    """Copies each finished request's K/V out of the paged cache (see module docstring)."""
+    """Holds each finished request's blocks for the backbone (see module docstring)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -196,6 +234,12 @@ class CaptureKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report the released requests as finished sending: the scheduler frees their blocks."""
+        with self._sink.lock:
+            done, self._sink.releasing = self._sink.releasing, set()
+        return done or None, None
+
     # -- scheduler side ---------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -207,15 +251,29 @@ class CaptureKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return _NoMetadata()
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The scheduler frees the blocks of the requests reported here, right after this call."""
+        sent = connector_output.finished_sending or ()
+        if sent:
+            with self._sink.lock:
+                self._sink.freeing.difference_update(sent)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Read the request's K/V now: its blocks are freed right after this returns."""
+        """Record a wanted request's blocks; True holds them until it is released."""
         req_id = request.request_id
-        if req_id in self._sink.wanted:
+        with self._sink.lock:
+            if req_id not in self._sink.wanted:
+                return False, None
             self._sink.wanted.discard(req_id)
-            token_ids = list(request.all_token_ids)
-            num_fed = len(token_ids) - 1  # the last sampled token was never fed back
-            if request.num_computed_tokens < num_fed:
-                computed = request.num_computed_tokens
-                raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
-            self._sink.captured[req_id] = self._sink.take(req_id, token_ids, list(block_ids), num_fed)
-        return False, None
+        token_ids = list(request.all_token_ids)
+        num_fed = len(token_ids) - 1  # the last sampled token was never fed back
+        if request.num_computed_tokens < num_fed:
+            computed = request.num_computed_tokens
+            raise RuntimeError(f"KV capture: request {req_id} computed {computed} < {num_fed} tokens")
+        capture = self._sink.take(req_id, token_ids, list(block_ids), num_fed)
+        hold = isinstance(capture, HeldKV)
+        with self._sink.lock:
+            self._sink.captured[req_id] = capture
+            if hold:
+                self._sink.held.add(req_id)
+        return hold, None

@@ -6,6 +6,7 @@ processors, encoder cache), so no caller reaches into vLLM's engine objects itse
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -23,11 +24,17 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 
 from ..types import PlanCancelled
-from .capture import CapturedKV, CaptureSink
+from .capture import CapturedKV, CaptureSink, HeldKV
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
 from .speculation import HISTORY_KEY, PlanHistory, take_counts
 from .speculation import engine_args as speculation_args
+
+logger = logging.getLogger(__name__)
+
+#: Engine steps release_requests takes at most to see released blocks freed (one suffices in
+#: vLLM 0.27: the worker side reports them in the step's empty forward).
+RELEASE_STEPS = 4
 
 
 def create_engine(
@@ -58,7 +65,7 @@ def create_engine(
             raise ValueError("speculation_method 'plans': create_engine needs the PlanHistory to draft from")
         transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
     extra.update(speculation_args(options.speculation_method, options.speculation_draft_tokens))
-    return LLM(
+    llm = LLM(
         model=str(model_dir),
         dtype=options.dtype,
         max_model_len=options.max_model_len,
@@ -80,6 +87,38 @@ def create_engine(
         **extra,
         **(engine_args or {}),
     )
+    core = llm.llm_engine.engine_core.engine_core
+    if getattr(core, "request_block_hasher", None) is not None:
+        core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
+    return llm
+
+
+class _RepeatedPromptHasher:
+    """The engine core's request block hasher, keeping the hashes of the last prompt it hashed.
+
+    A sample of that prompt (run_requests, shared_prompt: a copy of one processed request, so
+    the very same token list and multimodal features) gets them instead of hashing all its
+    prompt blocks again: with 16 samples of a 3,100-token prompt that hashing was most of the
+    frontend's time. Any other request is hashed as before; the hashes depend only on the
+    tokens and those features, so they are the ones vLLM would compute.
+    """
+
+    def __init__(self, hasher: Any) -> None:
+        self._hasher = hasher
+        self._source: tuple[Any, ...] | None = None  # what the hashes are of; held, so no id is reused
+        self._hashes: list[Any] = []
+
+    def __call__(self, request: Any) -> list[Any]:
+        fresh = not request.block_hashes and request.num_tokens == len(request.prompt_token_ids or ())
+        if not fresh:
+            return self._hasher(request)
+        # the same token list and features objects (a copy of one processed request), same extras
+        source = (request.prompt_token_ids, request.mm_features or None, (request.lora_request, request.cache_salt))
+        cached = self._source
+        if cached is None or cached[0] is not source[0] or cached[1] is not source[1] or cached[2] != source[2]:
+            self._hashes = self._hasher(request)
+            self._source = source
+        return list(self._hashes)
 
 
 def shutdown_engine(llm: LLM) -> None:
@@ -116,7 +155,7 @@ def sampling_params(
 class RequestResult:
     prompt_token_ids: list[int]  # as vLLM expanded them
     output_ids: list[int]  # sampled ids, in order
-    captured: CapturedKV | None  # None unless run with capture=True
+    captured: CapturedKV | HeldKV | None  # None unless run with capture=True; HeldKV: release_requests it
     drafted: int = 0  # speculation: draft tokens the model verified for this request
     accepted: int = 0  # ... and how many of them it accepted
 
@@ -135,12 +174,14 @@ def run_requests(
 ) -> list[RequestResult]:
     """Run requests to completion and return their ids (and K/V), in request order.
 
+    capture: each request's K/V is captured as the sink takes it: by default its blocks are
+    held (HeldKV), until release_requests hands them back; if this call fails, it does so
+    itself for every request it ran.
     shared_prompt: the requests are samples of the first one's prompt; only their sampling
     seeds differ. The prompt is then processed once (the others are copies of the first
     processed request, as vLLM's own n > 1 fan-out makes them) and prefilled once: the
-    others join after the first one's first token and find its blocks in the prefix cache.
-    With capture, their K/V is read from the prompt's end on (CapturedKV.start): the
-    prompt's K/V is the first request's.
+    others join after the first one's first token and find its blocks in the prefix cache,
+    so their block lists start with the same blocks.
 
     stop_after: a request is aborted as soon as one more token follows this id (upstream's
     stop rule); its K/V then ends at that id.
@@ -174,7 +215,6 @@ def run_requests(
             if capture:
                 sink.wanted.add(internal[ext])
         added = time.perf_counter()
-        prompt_len = len(entries[0][1][0].prompt_token_ids) if shared_prompt else 0
         while later or engine.has_unfinished_requests():
             if stop is not None and stop.is_set():
                 raise PlanCancelled("vLLM requests cancelled: the pipeline is stopping")
@@ -184,7 +224,6 @@ def run_requests(
                     internal[ext] = engine.add_request(ext, request, params)
                     if capture:
                         sink.wanted.add(internal[ext])
-                        sink.skip[internal[ext]] = prompt_len
                 later = []
                 adding += time.perf_counter() - begun
             for output in engine.step():
@@ -196,34 +235,58 @@ def run_requests(
                     engine.abort_request([output.request_id])
                 if output.finished or stop_now:
                     seen[output.request_id] = (list(output.prompt_token_ids), ids)
+        if timings is not None and added is not None and first_token is not None:
+            finished = time.perf_counter()
+            timings.update(
+                frontend=(added - started + adding) * 1e3,
+                prefill=(first_token - added) * 1e3,
+                decode=(finished - first_token - adding) * 1e3,
+            )
+        captured = {ext: sink.captured.pop(internal[ext], None) for ext in external}
+        missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
+        if missing:
+            raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
+        for ext in external:
+            ids = seen[ext][0] + seen[ext][1]
+            if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
+                raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
     except BaseException:
         engine.abort_request([ext for ext in external if ext not in seen])
         for rid in internal.values():
             sink.captured.pop(rid, None)
+        try:
+            release_requests(llm, sink, list(internal.values()))
+        except Exception:  # the engine failed already; what it raised is the error to report
+            logger.warning("KV capture: releasing the blocks of failed requests failed too", exc_info=True)
         take_counts(list(internal.values()))
         raise
     finally:
         if model_mask is not None:
             _set_token_mask(llm, None)
-        for rid in internal.values():
-            sink.wanted.discard(rid)
-            sink.skip.pop(rid, None)
-    if timings is not None and added is not None and first_token is not None:
-        finished = time.perf_counter()
-        timings.update(
-            frontend=(added - started + adding) * 1e3,
-            prefill=(first_token - added) * 1e3,
-            decode=(finished - first_token - adding) * 1e3,
-        )
-    captured = {ext: sink.captured.pop(internal[ext], None) for ext in external}
-    missing = [ext for ext in external if ext not in seen or (capture and captured[ext] is None)]
-    if missing:
-        raise RuntimeError(f"vLLM: requests {missing} ended without output or K/V capture")
-    for ext in external:
-        ids = seen[ext][0] + seen[ext][1]
-        if captured[ext] is not None and captured[ext].token_ids[: len(ids)] != ids:
-            raise RuntimeError(f"vLLM: K/V captured for request {ext} belongs to other token ids")
+        with sink.lock:
+            sink.wanted.difference_update(internal.values())
     return [RequestResult(*seen[ext], captured[ext], *take_counts([internal[ext]])) for ext in external]
+
+
+def release_requests(llm: LLM, sink: CaptureSink, request_ids: list[str]) -> None:
+    """Hand the held blocks of these requests back to the engine, freed before this returns.
+
+    The engine frees them in its next step (an empty one here: the worker side reports them
+    as sent); should it not within RELEASE_STEPS steps, the next request's steps do.
+    """
+    sink.release(request_ids)
+    engine = llm.llm_engine
+    for _ in range(RELEASE_STEPS):
+        with sink.lock:
+            if not sink.freeing:
+                return
+        engine.step()
+    logger.debug("KV capture: released blocks still held after %d engine steps; the next steps free them", RELEASE_STEPS)
+
+
+def free_block_count(llm: LLM) -> int:
+    """Blocks the engine's scheduler could allocate now (in-process engines only)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def _samples_of_one_prompt(

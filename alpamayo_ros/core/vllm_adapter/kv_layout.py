@@ -64,6 +64,25 @@ def detect_layout(
     raise ValueError(f"attention backend {backend_name!r}: no cache layout reader (known: {known})")
 
 
+def block_views(cache: torch.Tensor, layout: CacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer's cache as (num_blocks, block_size, H, D) views: no copy.
+
+    Only the last dim is contiguous in the GPU layout; in the CPU one K's token axis is (each
+    block's K is stored [D, block_size]). Readers index blocks through these views, where the
+    engine keeps them.
+    """
+    H, bs, D = layout.num_kv_heads, layout.block_size, layout.head_dim
+    if layout.kind == "packed":
+        tokens = cache.transpose(1, 2)  # (blocks, bs, H, 2D)
+        return tokens[..., :D], tokens[..., D:]
+    if layout.kind == "cpu_kt":
+        flat = cache.view(cache.shape[0], H, 2 * bs * D)  # a view, never a copy
+        k = flat[..., : bs * D].unflatten(-1, (D, bs)).permute(0, 3, 1, 2)  # (blocks, bs, H, D)
+        v = flat[..., bs * D :].unflatten(-1, (bs, D)).transpose(1, 2)
+        return k, v
+    raise ValueError(f"layout.kind: unknown {layout.kind!r}")
+
+
 def read_blocks(
     cache: torch.Tensor, layout: CacheLayout, kernel_block_ids: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,14 +90,8 @@ def read_blocks(
 
     The results never alias the paged cache (the blocks are reused once freed).
     """
-    n, H, bs, D = kernel_block_ids.numel(), layout.num_kv_heads, layout.block_size, layout.head_dim
-    if layout.kind == "packed":
-        blocks = cache.index_select(0, kernel_block_ids)  # (n, H, bs, 2D)
-        tokens = blocks.permute(0, 2, 1, 3).reshape(n * bs, H, 2 * D)[:num_tokens]  # a copy
-        return tokens[..., :D], tokens[..., D:]
-    if layout.kind == "cpu_kt":
-        flat = cache.reshape(cache.shape[0], H, 2 * bs * D).index_select(0, kernel_block_ids)
-        k = flat[..., : bs * D].reshape(n, H, D, bs).permute(0, 3, 1, 2)  # (n, bs, H, D)
-        v = flat[..., bs * D :].reshape(n, H, bs, D).permute(0, 2, 1, 3)
-        return k.reshape(n * bs, H, D)[:num_tokens], v.reshape(n * bs, H, D)[:num_tokens]  # copies
-    raise ValueError(f"layout.kind: unknown {layout.kind!r}")
+    k, v = block_views(cache, layout)
+    H, D = layout.num_kv_heads, layout.head_dim
+    keys = k.index_select(0, kernel_block_ids).reshape(-1, H, D)[:num_tokens]  # copies
+    values = v.index_select(0, kernel_block_ids).reshape(-1, H, D)[:num_tokens]
+    return keys, values
