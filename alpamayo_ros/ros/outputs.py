@@ -99,7 +99,8 @@ class PlanPublisher:
         )  # fmt: skip
         self._coc.publish(String(data=coc))
         self._markers.publish(convert.marker_array_message(header, xyz, selected, coc, text_position))
-        self._timings.publish(timings_message(header, plan, timings_ms, started_ns - t0_ns, published_ns - t0_ns, overruns))
+        ages = (started_ns - t0_ns, published_ns - t0_ns)
+        self._timings.publish(timings_message(header, plan, timings_ms, *ages, overruns))
         if selected >= 0:
             self._path.publish(convert.path_message(header, xyz[selected], rot[selected], WAYPOINT_DT_S))
 
