@@ -36,7 +36,7 @@ BUILD_MESSAGES = textwrap.dedent("""
                                    model_id="Alpamayo-1.5-10B", generated_tokens=37),
             "timings": StageTimings(header=header, stage_names=["preprocess", "backbone", "expert"],
                                     stage_ms=[12.5, 230.0, 41.75], input_age_ms=35.5, latency_ms=310.25,
-                                    overruns=4),
+                                    overruns=4, drafted_tokens=57, accepted_tokens=41),
         }
     """)
 TOPICS = {"trajectory": Trajectory, "trajectory_set": TrajectorySet, "reasoning": Reasoning, "timings": StageTimings}
@@ -107,4 +107,6 @@ def test_every_message_crosses_processes_intact(tmp_path: Path) -> None:
     reasoning = collectors["reasoning"].messages[0]
     assert reasoning.sample_cocs[2] == "ü ✓" and reasoning.generated_tokens == 37
     assert reasoning.closed and list(reasoning.sample_closed) == [False, True, True]
-    assert list(collectors["timings"].messages[0].stage_ms) == [12.5, 230.0, 41.75]
+    timings = collectors["timings"].messages[0]
+    assert list(timings.stage_ms) == [12.5, 230.0, 41.75]
+    assert (timings.drafted_tokens, timings.accepted_tokens) == (57, 41)

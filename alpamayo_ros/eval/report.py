@@ -1,4 +1,8 @@
-"""Evaluation output: report.json, report.md and PNG plots (matplotlib Agg, no display needed)."""
+"""Evaluation output: report.json, report.md and PNG plots (matplotlib Agg, no display needed).
+
+Each planned tick's row (TickResult.to_json) carries its plan's speculation counts; the report
+sums them per bag and over all bags, with the acceptance rate (speculation_summary).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numpy as np  # noqa: E402
 from alpamayo_ros.eval.metrics import summarize  # noqa: E402
 
 if TYPE_CHECKING:
+    from alpamayo_ros.core.types import Plan
     from alpamayo_ros.eval.evaluate import BagResult
     from alpamayo_ros.settings import DriveSettings
 
@@ -75,6 +80,15 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def speculation_summary(plans: Sequence[Plan]) -> dict[str, Any]:
+    """Draft tokens verified and accepted over these plans (vllm.speculation), and their ratio
+    (None when nothing was drafted: speculation off, or no plan had history to draft from)."""
+    drafted = sum(plan.drafted_tokens for plan in plans)
+    accepted = sum(plan.accepted_tokens for plan in plans)
+    return {"drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None}
+
+
 def write_json(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n")
 
@@ -104,6 +118,10 @@ def write_markdown(path: Path, report: dict[str, Any], notes: Sequence[str] = ()
     if report.get("latency_ms"):
         lat = report["latency_ms"]
         lines.append(f"| plan latency mean / p90 / max (ms) | {_fmt(lat['mean'])} / {_fmt(lat['p90'])} / {_fmt(lat['max'])} |")
+    spec = report["speculation"]
+    if spec["drafted_tokens"]:
+        lines.append(f"| speculation: accepted / drafted tokens (rate) | {spec['accepted_tokens']} / "
+                     f"{spec['drafted_tokens']} ({_fmt(spec['acceptance_rate'])}) |")
     lines += ["", "## Bags", "", "| bag | ticks | planned | minADE mean (m) | minFDE mean (m) |", "|---|---|---|---|---|"]
     for bag in report["bags"]:
         bs = bag["summary"]
@@ -271,11 +289,13 @@ def write_report(out: Path, results: Sequence[BagResult], settings: DriveSetting
         "ticks_total": ticks_total,
         "skipped_share": (ticks_total - len(scored)) / ticks_total if ticks_total else float("nan"),
         "skipped": dict(skipped),
+        "speculation": speculation_summary([t.plan for t in scored]),
         "latency_ms": ({"mean": float(np.mean(totals)), "p90": float(np.percentile(totals, 90)), "max": float(np.max(totals))}
                        if totals else None),
         "bags": [{"bag": str(r.bag), "ticks_total": len(r.ticks), "summary": summarize(t.score for t in r.scored),
                   "skipped": dict(r.skipped()), "dropped_images": r.dropped_images,
                   "refused_routes": r.refused_routes, "timeline_jumps": r.timeline_jumps,
+                  "speculation": speculation_summary([t.plan for t in r.scored]),
                   "ticks": [t.to_json(r.start_ns) for t in r.ticks]} for r in results],
         "plots": plots,
     }

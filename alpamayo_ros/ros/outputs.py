@@ -1,5 +1,5 @@
-"""The drive node's plan outputs: Path, TrajectorySet, Reasoning, CoC text, timings, markers,
-and each planning tick's outcome.
+"""The drive node's plan outputs: Path, TrajectorySet, Reasoning, CoC text, timings (with the
+plan's speculation counts), markers, and each planning tick's outcome.
 
 Every output of one plan is stamped with its t0 and labelled with the frame of its own input
 (the odometry frame_id stored with the request, never the latest one), and the Path goes last,
@@ -100,12 +100,17 @@ class PlanPublisher:
         )  # fmt: skip
         self._coc.publish(String(data=coc))
         self._markers.publish(convert.marker_array_message(header, xyz, selected, coc, text_position))
-        self._timings.publish(
-            StageTimings(
-                header=header, stage_names=list(timings_ms), stage_ms=[float(v) for v in timings_ms.values()],
-                input_age_ms=float((started_ns - t0_ns) / NS_PER_MS), latency_ms=float((published_ns - t0_ns) / NS_PER_MS),
-                overruns=overruns,
-            )
-        )  # fmt: skip
+        ages = (started_ns - t0_ns, published_ns - t0_ns)
+        self._timings.publish(timings_message(header, plan, timings_ms, *ages, overruns))
         if selected >= 0:
             self._path.publish(convert.path_message(header, xyz[selected], rot[selected], WAYPOINT_DT_S))
+
+
+def timings_message(header: Header, plan: Plan, timings_ms: Mapping[str, float], input_age_ns: int,
+                    latency_ns: int, overruns: int) -> StageTimings:
+    """StageTimings of one plan: its stages, ages, overruns and its speculation counts."""
+    return StageTimings(
+        header=header, stage_names=list(timings_ms), stage_ms=[float(v) for v in timings_ms.values()],
+        input_age_ms=float(input_age_ns / NS_PER_MS), latency_ms=float(latency_ns / NS_PER_MS), overruns=overruns,
+        drafted_tokens=plan.drafted_tokens, accepted_tokens=plan.accepted_tokens,
+    )  # fmt: skip

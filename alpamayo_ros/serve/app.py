@@ -185,7 +185,8 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
                 "profile": f"{pipeline.backbone.name}-{dtype}" if dtype else pipeline.backbone.name,
                 "frame_cache": {"frames": len(frames), "hits": frames.hits, "misses": frames.misses}}
 
-    nim.register(app, run=run, ready=worker.ready.is_set, metrics_text=prometheus_text, guarded=guarded,
+    nim.register(app, run=run, ready=worker.ready.is_set, metrics_text=prometheus_text, count_plan=metrics.count_plan,
+                 guarded=guarded,
                  model_name=options.model_name, limits=options.limits, describe=describe)
 
     @app.get("/v1/models", dependencies=guarded)
@@ -199,7 +200,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         nim.served_model(body.model, options.model_name)
         trajectory = body.output_modality == "trajectory" or (body.nvext is not None and body.nvext.egomotion is not None)
         if body.nvext is not None or not body.image_meta:  # the NIM's envelope: images in order, fields in nvext
-            return await nim.chat_nim(body, trajectory, run=run, limits=options.limits)
+            return await nim.chat_nim(body, trajectory, run=run, limits=options.limits, count_plan=metrics.count_plan)
         model = body.model or options.model_name
 
         def parse() -> tuple:
@@ -211,6 +212,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
         if trajectory:
             def plan_job(pipeline: Any) -> chat.ChatCompletion:
                 plan = pipeline.plan(inputs, settings)
+                metrics.count_plan(plan)
                 return chat.trajectory_completion(plan, model, chat.prompt_tokens(pipeline, inputs))
             return await run(plan_job)
 
@@ -254,6 +256,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
                 capture_size.resize_into(pipeline.frames, store)
                 resize_ms = (time.perf_counter() - dequeued) * 1e3
             plan = pipeline.plan(inputs, settings)
+            metrics.count_plan(plan)
             # serve.shm_read and serve.parse_wait (the hop to and from the parsing thread) are parts of serve.parse
             parsed_ms = (queued - started) * 1e3
             plan.timings_ms.update({"serve.parse": parsed_ms, "serve.queue": (dequeued - queued) * 1e3,
@@ -276,6 +279,7 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
 
         inputs = await run_in_threadpool(parse)
         plan = await run(lambda pipeline: pipeline.plan(inputs, options.default_settings))
+        metrics.count_plan(plan)
         return Response(sidecar.predict_reply(plan, time.perf_counter() - start), media_type=sidecar.CONTENT_TYPE)
 
     @app.post("/reset", dependencies=guarded, response_class=Response,

@@ -102,6 +102,8 @@ class Trajectory(BaseModel):
     reasoning: list[str]
     generated_tokens: list[int] = Field(description="reasoning tokens generated per sample")
     timings_ms: dict[str, float]
+    drafted_tokens: int = Field(0, description="speculative reasoning, all samples: draft tokens verified")
+    accepted_tokens: int = Field(0, description="speculative reasoning: draft tokens accepted")
 
 
 class ResponseMessage(BaseModel):
@@ -294,6 +296,8 @@ def trajectory_completion(plan: Plan, model: str, prompt_length: int, content: l
             reasoning=list(plan.coc),
             generated_tokens=[len(row) for row in plan.generated_ids],
             timings_ms=plan.timings_ms,
+            drafted_tokens=plan.drafted_tokens,
+            accepted_tokens=plan.accepted_tokens,
         ),
     )
 

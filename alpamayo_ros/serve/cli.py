@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import uvicorn
 
+from ..core.backbone_vllm import SPECULATION_METHODS
 from ..core.pipeline import BACKENDS, Pipeline
 from ..core.types import FRAME_SPACING_S, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
 from .app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ServerOptions, create_app
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM backend: KV cache size")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM backend: no CUDA graphs / compile")
     parser.add_argument("--max-model-len", type=int, default=8192, help="vLLM backend: longest prompt + reasoning")
+    parser.add_argument("--speculation", choices=SPECULATION_METHODS, default="none",
+                        help="vLLM backend: speculative reasoning (vllm.speculation.method of the node)")
+    parser.add_argument("--speculation-draft-tokens", type=int, default=4, help="vLLM backend: tokens drafted per step")
     parser.add_argument("--sidecar-settings", type=json.loads, default={},
                         help="JSON SamplingSettings fields for /predict (FlashDrive sidecar protocol), e.g. "
                              f"'{{\"flow_steps\": 8}}'; default {json.dumps(dataclasses.asdict(SIDECAR_SETTINGS))}")
@@ -94,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             options["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.enforce_eager:
             options["enforce_eager"] = True
+        if args.speculation != "none":
+            options.update(speculation_method=args.speculation, speculation_draft_tokens=args.speculation_draft_tokens)
+    elif args.speculation != "none":
+        logger.error("--speculation %s: needs --backend vllm, got %s", args.speculation, args.backend)
+        return 2
 
     def load() -> Pipeline:
         started = time.perf_counter()

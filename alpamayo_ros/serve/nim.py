@@ -201,8 +201,10 @@ NVEXT_FIELDS = {"images": "messages", **{name: f"nvext.{name}" for name in
 
 
 async def chat_nim(body: chat.ChatCompletionRequest, trajectory: bool, *,
-                   run: Callable[[Callable[[Any], Any]], Awaitable[Any]], limits: Limits) -> chat.ChatCompletion:
-    """A chat request in the NIM's envelope: images in order, Alpamayo fields under nvext."""
+                   run: Callable[[Callable[[Any], Any]], Awaitable[Any]], limits: Limits,
+                   count_plan: Callable[[Any], None]) -> chat.ChatCompletion:
+    """A chat request in the NIM's envelope: images in order, Alpamayo fields under nvext;
+    count_plan adds a plan to the server's metrics."""
     nvext = body.nvext or NvExt()
 
     def parse() -> tuple:
@@ -227,6 +229,7 @@ async def chat_nim(body: chat.ChatCompletionRequest, trajectory: bool, *,
     if trajectory:
         def plan_job(pipeline: Any) -> chat.ChatCompletion:
             plan = pipeline.plan(inputs, settings)
+            count_plan(plan)
             content = [result.model_dump_json() for result in trajectories(plan)]
             return chat.trajectory_completion(plan, NIM_MODEL_ID, chat.prompt_tokens(pipeline, inputs), content)
         return await run(plan_job)
@@ -238,10 +241,10 @@ async def chat_nim(body: chat.ChatCompletionRequest, trajectory: bool, *,
 
 
 def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[Any]], ready: Callable[[], bool],
-             metrics_text: Callable[[], Response], guarded: list[Any], model_name: str, limits: Limits,
-             describe: Callable[[], dict]) -> None:
-    """Add the NIM routes to app. run queues a job for the pipeline; describe gives the
-    backend facts /v1/metadata reports."""
+             metrics_text: Callable[[], Response], count_plan: Callable[[Any], None], guarded: list[Any],
+             model_name: str, limits: Limits, describe: Callable[[], dict]) -> None:
+    """Add the NIM routes to app. run queues a job for the pipeline; count_plan adds a plan to
+    the server's metrics; describe gives the backend facts /v1/metadata reports."""
 
     @app.post("/v1/infer", dependencies=guarded, response_model=InferResponse, response_model_exclude_none=True,
               summary="NIM native inference: mode trajectory | answer | both")
@@ -268,6 +271,7 @@ def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[An
             prompt, generated, timings = 0, [], {}
             if trajectory:
                 plan = pipeline.plan(inputs, settings)
+                count_plan(plan)
                 result["trajectories"] = trajectories(plan)
                 prompt, generated, timings = chat.prompt_tokens(pipeline, inputs), plan.generated_ids, plan.timings_ms
             if answering:
@@ -291,7 +295,7 @@ def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[An
                              ("nvext.egomotion", body.nvext is not None and body.nvext.egomotion is not None)):
             if asked:
                 raise invalid(field, "/v1/vqa answers questions; trajectories come from /v1/infer or /v1/chat/completions")
-        return await chat_nim(body, trajectory=False, run=run, limits=limits)
+        return await chat_nim(body, trajectory=False, run=run, limits=limits, count_plan=count_plan)
 
     @app.get("/v1/health/live", summary="NIM liveness: 200 while the process serves")
     async def live() -> JSONResponse:

