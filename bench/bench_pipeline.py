@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from alpamayo_ros.core.config import AlpamayoConfig
+from alpamayo_ros.core.frame_key import frame_key
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
 from alpamayo_ros.core.types import FRAME_SPACING_S, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
@@ -81,7 +82,9 @@ WORKLOADS = {
 
 def synthetic_inputs(workload: Workload, seed: int) -> Iterator[DrivingInput]:
     """Endless plans of random frames and a straight 10 m/s history (content does not change
-    the cost); with workload.stream, each plan is the previous window moved on by one frame."""
+    the cost); with workload.stream, each plan is the previous window moved on by one frame.
+    Frames carry their keys as the drive loop keys them: each new frame hashed once, here, off
+    the timed plan."""
     rng = np.random.default_rng(seed)
     shape = (len(workload.cameras), workload.frames, workload.height, workload.width, 3)
     spacing_ns = int(FRAME_SPACING_S * 1e9)
@@ -90,8 +93,11 @@ def synthetic_inputs(workload: Workload, seed: int) -> Iterator[DrivingInput]:
     rot = np.broadcast_to(np.eye(3, dtype=np.float32), (NUM_HISTORY_POSES, 3, 3)).copy()
     images = rng.integers(0, 256, size=shape, dtype=np.uint8)
     t0_ns = 10_000_000_000
+    keys: list[list[str]] = [[] for _ in workload.cameras]  # per camera, oldest first
     while True:
         stamps = t0_ns - spacing_ns * np.arange(workload.frames - 1, -1, -1, dtype=np.int64)
+        for row, camera in enumerate(workload.cameras):  # the frames new to this window
+            keys[row] += [frame_key(camera, int(stamps[col]), images[row, col]) for col in range(len(keys[row]), workload.frames)]
         yield DrivingInput(
             images=images,
             camera_indices=workload.cameras,
@@ -99,13 +105,15 @@ def synthetic_inputs(workload: Workload, seed: int) -> Iterator[DrivingInput]:
             t0_ns=t0_ns,
             ego_history_xyz=xyz,
             ego_history_rot=rot,
-        )
+        ).with_frame_keys([key for row in keys for key in row])
         t0_ns += spacing_ns
         if workload.stream:
             new = rng.integers(0, 256, size=(shape[0], 1, *shape[2:]), dtype=np.uint8)
             images = np.concatenate([images[:, 1:], new], axis=1)
+            keys = [row[1:] for row in keys]
         else:
             images = rng.integers(0, 256, size=shape, dtype=np.uint8)
+            keys = [[] for _ in workload.cameras]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from alpamayo_ros.core.frame_key import KeyedFrame, frame_key, keyed_frame
 from alpamayo_ros.core.types import DrivingInput
 from alpamayo_ros.inputs import RejectReason, Rejection
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
@@ -14,13 +15,13 @@ MS = 1_000_000
 CAMERAS = (0, 1, 2, 6)
 
 
-def image(camera: int, t_ms: int, shape=(24, 40, 3)) -> np.ndarray:
+def image(camera: int, t_ms: int, shape=(24, 40, 3)) -> KeyedFrame:
     """A frame whose pixels encode camera and time, so the stacking order can be checked."""
-    return np.full(shape, (camera * 10 + t_ms // 100) % 256, dtype=np.uint8)
+    return keyed_frame(camera, t_ms * MS, np.full(shape, (camera * 10 + t_ms // 100) % 256, dtype=np.uint8))
 
 
-def filled(odometry_until_ms: int = 2000) -> tuple[FrameSync[np.ndarray], OdometryBuffer]:
-    sync: FrameSync[np.ndarray] = FrameSync(FrameSyncConfig(CAMERAS))
+def filled(odometry_until_ms: int = 2000) -> tuple[FrameSync[KeyedFrame], OdometryBuffer]:
+    sync: FrameSync[KeyedFrame] = FrameSync(FrameSyncConfig(CAMERAS))
     for t in range(0, 2001, 100):
         for camera in CAMERAS:
             sync.add(camera, t * MS, image(camera, t))
@@ -44,6 +45,11 @@ def test_builds_a_valid_driving_input() -> None:
     assert driving_input.frame_stamps_ns[:, 0].tolist() == [1700 * MS] * 4
     np.testing.assert_allclose(driving_input.ego_history_xyz[:, 0], -0.5 * np.arange(15, -1, -1), atol=1e-5)
     assert driving_input.route_text == "Turn right in 30m"
+    # the frames' keys, made where they arrived, travel with the input: right slots, exact pixels
+    flat = driving_input.images.reshape(-1, *driving_input.images.shape[2:])
+    stamps = driving_input.frame_stamps_ns.reshape(-1)
+    assert list(driving_input.frame_keys) == [frame_key(CAMERAS[slot // 4], int(stamps[slot]), flat[slot])
+                                              for slot in range(16)]
     np.testing.assert_allclose(result.ego.xyz_t0, [10.0, 0.0, 0.0])
 
 
@@ -75,7 +81,7 @@ def test_mixed_image_sizes_are_rejected_with_the_camera() -> None:
 
 def test_non_rgb_frame_is_rejected() -> None:
     sync, odometry = filled()
-    sync.add(6, 2000 * MS, np.zeros((24, 40), np.uint8))
+    sync.add(6, 2000 * MS, keyed_frame(6, 2000 * MS, np.zeros((24, 40), np.uint8)))
     result = build_driving_input(sync, odometry)
     assert isinstance(result, Rejection) and result.reason is RejectReason.IMAGE_SIZE
     assert "camera 6" in result.detail and "HxWx3" in result.detail

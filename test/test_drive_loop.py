@@ -3,10 +3,13 @@ tick, each refusal named. (test_drive_conformance.py holds a real node to the sa
 
 from __future__ import annotations
 
+import dataclasses
+
 import cv2
 import numpy as np
 import pytest
 
+from alpamayo_ros.core.frame_cache import frame_keys
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
 from alpamayo_ros.drive.loop import DriveLoop, Planned, Skipped
 from alpamayo_ros.drive.messages import CameraFrame, CompressedImage, Odometry, RawImage, Route
@@ -111,6 +114,29 @@ def test_decoded_frames_plan_like_encoded_ones() -> None:
     outcome = loop.step(START + S)
     assert isinstance(outcome, Planned)
     assert outcome.request.assembly.driving_input.images[1, -1, 0, 0, 0] == 6  # rows in camera index order
+
+
+def test_frames_are_keyed_once_on_arrival_and_the_callers_array_stays_its_own() -> None:
+    """The loop keys its own read-only copy of a handed array: the caller writing to its array
+    after arrival changes neither the planned pixels nor their keys."""
+    loop = loop_with(StraightPlanner(), **{"cameras.transports": ["raw", "raw"]})
+    rendered = {1: np.full((16, 24, 3), 1, dtype=np.uint8), 6: np.full((16, 24, 3), 6, dtype=np.uint8)}
+    for stamp in range(START - 2 * S, START + S + 1, 20 * MS):
+        loop.on_odometry(Odometry(stamp, "odom", np.array([5.0 * (stamp - START) / S, 0, 0]), np.array([0, 0, 0, 1.0])), stamp)
+        if stamp % (100 * MS) == 0:
+            for camera in (1, 6):
+                rendered[camera][:] = camera * 10 + stamp // (100 * MS) % 10  # a simulator reusing its render buffer
+                loop.on_camera(CameraFrame(camera, stamp, rendered[camera]), stamp)
+                rendered[camera][:] = 99
+    outcome = loop.step(START + S)
+    assert isinstance(outcome, Planned)
+    driving_input = outcome.request.assembly.driving_input
+    rendered_as = (driving_input.frame_stamps_ns // (100 * MS) % 10 + np.array([[10], [60]])).tolist()
+    assert driving_input.images[:, :, 0, 0, 0].tolist() == rendered_as
+    assert list(driving_input.frame_keys) == frame_keys(dataclasses.replace(driving_input))  # replace: rehashed
+    with pytest.raises(ValueError, match="read-only"):
+        driving_input.images[0, 0, 0, 0, 0] = 0
+    assert all(frame.image.flags.writeable is False for row in outcome.request.assembly.frames.frames for frame in row)
 
 
 def test_odometry_frame_change_clears_the_history() -> None:

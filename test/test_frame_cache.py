@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from alpamayo_ros.core.frame_cache import FrameCache, frame_key
+from alpamayo_ros.core.frame_cache import FrameCache, frame_key, frame_keys
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.preprocess import VisionGeometry, preprocess_frames, smart_resize
 from alpamayo_ros.core.types import DrivingInput, SamplingSettings
@@ -120,3 +120,20 @@ def test_pipeline_plan_with_reused_frames_equals_a_fresh_pipeline(tiny_checkpoin
     assert (fresh.frames.hits, len(fresh.frames)) == (0, 0)
     assert reused.generated_ids == reference.generated_ids
     np.testing.assert_array_equal(reused.xyz, reference.xyz)
+
+
+def test_a_plan_from_carried_keys_equals_one_that_hashes(tiny_checkpoint, make_driving_input) -> None:
+    """Keys made where the frames arrived (DrivingInput.with_frame_keys) name the same frames:
+    the same cache hits and the same plan, window after window."""
+    first = make_driving_input(camera_indices=(0, 1), frames=4, seed=21)
+    second = next_window(first, seed=22)
+    settings = SamplingSettings(temperature=0.0, max_reasoning_tokens=6, seed=3)
+    plans = {}
+    for carried in (False, True):
+        pipeline = Pipeline.from_checkpoint(tiny_checkpoint, backend="hf", dtype="float32")
+        windows = [w.with_frame_keys(frame_keys(w)) if carried else w for w in (first, second)]
+        plans[carried] = [pipeline.plan(window, settings) for window in windows]
+        assert (pipeline.frames.hits, pipeline.frames.misses) == (6, 10)
+    for hashed, carried in zip(plans[False], plans[True]):
+        assert carried.generated_ids == hashed.generated_ids
+        np.testing.assert_array_equal(carried.xyz, hashed.xyz)

@@ -55,7 +55,7 @@ def inputs(make_driving_input: Callable[..., DrivingInput]) -> DrivingInput:
 
 def with_rotations(inputs: DrivingInput, rot: np.ndarray) -> dict:
     """inputs' fields with another ego_history_rot, bypassing DrivingInput's own check."""
-    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.init}
     return {**fields, "ego_history_rot": rot}
 
 

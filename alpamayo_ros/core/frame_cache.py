@@ -15,31 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Sequence
 
-import blake3
 import numpy as np
 import torch
 
+from .frame_key import frame_key
 from .preprocess import PreprocessedImages, VisionGeometry, resize_nhwc
 from .types import DrivingInput
-
-
-def frame_fingerprint(image: np.ndarray) -> str:
-    """A 128-bit BLAKE3 digest of every byte of image: any changed pixel changes it.
-
-    BLAKE3 (SIMD, ~1 ms for a full-HD RGB frame on one core, bench/RESULTS.md) rather than a
-    sparse sample of the pixels: a changed region between the samples would pass as the old
-    frame. A non-contiguous view is hashed through one contiguous copy.
-    """
-    return blake3.blake3(memoryview(np.ascontiguousarray(image)).cast("B"), max_threads=1).hexdigest(16)
-
-
-def frame_key(camera: int, stamp_ns: int, image: np.ndarray) -> str:
-    """Identity of one camera frame: its camera, capture time, size and full-content fingerprint.
-
-    The stamp alone would do for live cameras; the fingerprint guards against sources that
-    reuse stamps with new pixels (a paused simulator, hand-built inputs, a client's re-send).
-    """
-    return f"cam{camera}-{stamp_ns}-{image.shape[0]}x{image.shape[1]}-{frame_fingerprint(image)}"
 
 
 #: Threads that fingerprint a request's frames side by side (BLAKE3 releases the GIL): half the
@@ -55,8 +36,11 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 
 def frame_keys(inputs: DrivingInput) -> list[str]:
-    """frame_key of every frame of inputs, camera-major then oldest first (16 full-HD frames
-    are ~100 MB to hash: on several threads where the machine has the cores)."""
+    """frame_key of every frame of inputs, camera-major then oldest first: the keys it carries
+    (DrivingInput.with_frame_keys), else hashed here (16 full-HD frames are ~100 MB to hash: on
+    several threads where the machine has the cores)."""
+    if inputs.frame_keys is not None and not inputs.images.flags.writeable:  # writable (unpickled): maybe stale
+        return list(inputs.frame_keys)
     slots = [
         (camera, int(stamp), image)
         for camera, stamps, row in zip(inputs.camera_indices, inputs.frame_stamps_ns, inputs.images)
@@ -65,6 +49,12 @@ def frame_keys(inputs: DrivingInput) -> list[str]:
     if _HASH_THREADS < 2 or inputs.images.nbytes < _PARALLEL_HASH_BYTES:
         return [frame_key(*slot) for slot in slots]
     return list(_hash_pool().map(lambda slot: frame_key(*slot), slots))
+
+
+def _as_tensor(frames: np.ndarray) -> torch.Tensor:
+    """frames as a CPU tensor on the same memory (one copy if not contiguous), only ever read. Through
+    DLPack, which takes read-only arrays (keyed frames are) without torch.from_numpy's warning."""
+    return torch.from_dlpack(np.ascontiguousarray(frames))
 
 
 class FrameCache:
@@ -152,18 +142,18 @@ class FrameCache:
         is resized from a view of its own: no gathered copy of the capture-size frames."""
         if self.compute_device.type != "cpu":
             return resize_nhwc(self._upload(frames, indices), self.geometry)
-        views = [torch.from_numpy(np.ascontiguousarray(frames[index]))[None] for index in indices]
+        views = [_as_tensor(frames[index])[None] for index in indices]
         return torch.cat([resize_nhwc(view, self.geometry) for view in views])
 
     def _upload(self, frames: np.ndarray | Sequence[np.ndarray], indices: list[int]) -> torch.Tensor:
         """frames[indices] as one uint8 (n, H, W, 3) batch on the compute device, without a
         host-side gather."""
         if len(indices) == len(frames) and isinstance(frames, np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(frames)).to(self.compute_device)
+            return _as_tensor(frames).to(self.compute_device)
         shape = frames[indices[0]].shape
         batch = torch.empty((len(indices), *shape), dtype=torch.uint8, device=self.compute_device)
         for row, index in enumerate(indices):
-            batch[row].copy_(torch.from_numpy(np.ascontiguousarray(frames[index])))
+            batch[row].copy_(_as_tensor(frames[index]))
         return batch
 
     def _remember(self, keys: Sequence[str], fresh: dict[str, torch.Tensor]) -> None:

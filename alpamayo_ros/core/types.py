@@ -7,9 +7,12 @@ evaluator and the benchmark never need torch to build or read them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import numpy as np
+
+from .frame_key import frame_key_prefix, is_frame_key
 
 #: Upstream camera index -> (dataset camera name, display name used in the prompt).
 CAMERAS: dict[int, tuple[str, str]] = {
@@ -49,6 +52,10 @@ class DrivingInput:
         must be a rotation (ROTATION_TOLERANCE): a scaled or reflected matrix is refused here,
         so no producer (server, node, evaluator) can plan from one.
     route_text: navigation instruction ("Turn right in 30m") or None.
+    frame_keys: frame_key of every frame, camera-major then oldest first, computed where the
+        frames arrived (the drive loop) so a plan does not hash them again; None: the plan hashes
+        them. Set only by with_frame_keys, and not a constructor argument: replace() gives an
+        input without them, so changed images can never carry the old pixels' keys.
     """
 
     images: np.ndarray
@@ -58,6 +65,7 @@ class DrivingInput:
     ego_history_xyz: np.ndarray
     ego_history_rot: np.ndarray
     route_text: str | None = None
+    frame_keys: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.images.dtype != np.uint8 or self.images.ndim != 5 or self.images.shape[-1] != 3:
@@ -81,6 +89,27 @@ class DrivingInput:
         if bad:
             raise ValueError(f"ego_history_rot: not a rotation (orthonormal within {ROTATION_TOLERANCE}, "
                              f"determinant +1) at pose {bad[0][0]}: {bad[0][1]}")
+
+    def with_frame_keys(self, keys: Sequence[str]) -> DrivingInput:
+        """This input with its frames' keys (frame_key of each, camera-major then oldest first).
+        images become read-only, so the pixels the keys name cannot change; they must be an array
+        of their own (a view stays writable through its base)."""
+        cameras, frames, height, width = self.images.shape[:4]
+        if len(keys) != cameras * frames:
+            raise ValueError(f"frame_keys: {len(keys)} keys for {cameras * frames} frames")
+        for slot, key in enumerate(keys):
+            camera, stamp = self.camera_indices[slot // frames], int(self.frame_stamps_ns.flat[slot])
+            if not is_frame_key(key, camera, stamp, height, width):
+                raise ValueError(f"frame_keys[{slot}]: {key!r} is not a key of camera {camera}'s frame at {stamp} ns "
+                                 f"({height}x{width}): expected {frame_key_prefix(camera, stamp, height, width)!r} "
+                                 f"+ 32 hex digits")
+        if self.images.base is not None:
+            raise ValueError("images: a view of another array cannot carry frame_keys (its pixels stay writable "
+                             "through the base); pass an array of its own")
+        self.images.flags.writeable = False
+        keyed = replace(self)
+        object.__setattr__(keyed, "frame_keys", tuple(keys))  # frozen, and deliberately no init argument
+        return keyed
 
 
 def not_rotations(matrices: np.ndarray, tolerance: float = ROTATION_TOLERANCE) -> list[tuple[int, str]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from alpamayo_ros.core.frame_key import keyed_frame
 from alpamayo_ros.core.types import Plan, SamplingSettings
 from alpamayo_ros.drive.gate import gate_plan
 from alpamayo_ros.drive.messages import CameraFrame, CompressedImage, Image, Odometry, RawImage, Route
@@ -64,14 +65,14 @@ Outcome = Planned | Skipped
 
 
 def decode_image(image: Image, size: tuple[int, int] | None) -> np.ndarray:
-    """H x W x 3 uint8 RGB at size (width, height; None keeps it); ImageRejected names the fault."""
+    """H x W x 3 uint8 RGB at size (width, height; None keeps it), an array of its own (a decoded
+    array is copied unless fitting made a new one); ImageRejected names the fault."""
     if isinstance(image, RawImage):
-        rgb = raw_image_to_rgb(image)
-    elif isinstance(image, CompressedImage):
-        rgb = compressed_image_to_rgb(image)
-    else:
-        rgb = image
-    return fit_image(rgb, size)
+        return fit_image(raw_image_to_rgb(image), size)
+    if isinstance(image, CompressedImage):
+        return fit_image(compressed_image_to_rgb(image), size)
+    fitted = fit_image(image, size)
+    return fitted.copy() if fitted is image else fitted  # the caller may go on writing to its array
 
 
 class DriveLoop:
@@ -104,7 +105,7 @@ class DriveLoop:
     # -- messages --
 
     def on_camera(self, frame: CameraFrame, now_ns: int) -> Dropped | Problem | PlanRequest | None:
-        """Decode, fit and buffer one camera message. Dropped: refused (it is kept from planning
+        """Decode, fit, key (frame_key, read-only from now on) and buffer one camera message. Dropped: refused (it is kept from planning
         until a good one follows); with planning.trigger frames, a fresh complete set returns the
         request it started, or the Problem that kept it from starting."""
         with self.lock:
@@ -115,7 +116,9 @@ class DriveLoop:
                 rgb = decode_image(frame.image, self.settings.image_size)
             except ImageRejected as refused:
                 return self.scheduler.camera_fault(frame.camera, refused.reason, refused.detail)
-            return self.scheduler.add_frame(frame.camera, frame.stamp_ns, rgb, now_ns)
+            # keyed once, here: every plan this frame is part of reuses the key instead of hashing it
+            keyed = keyed_frame(frame.camera, frame.stamp_ns, rgb)
+            return self.scheduler.add_frame(frame.camera, frame.stamp_ns, keyed, now_ns)
 
     def on_odometry(self, odometry: Odometry, now_ns: int) -> Problem | None:
         """Buffer one pose; a Problem when it is refused (ahead of the clock) or its frame_id changed

@@ -20,6 +20,7 @@ from enum import Enum
 
 import numpy as np
 
+from alpamayo_ros.core.frame_key import KeyedFrame
 from alpamayo_ros.inputs import RejectReason, Rejection
 from alpamayo_ros.inputs.builder import Assembly, build_driving_input
 from alpamayo_ros.inputs.ego_history import OdometryBuffer
@@ -100,7 +101,7 @@ class PlanScheduler:
     def __init__(self, settings: DriveSettings) -> None:
         self.settings = settings
         self.counters = Counters()
-        self.frame_sync: FrameSync[np.ndarray] = FrameSync(settings.frame_sync)
+        self.frame_sync: FrameSync[KeyedFrame] = FrameSync(settings.frame_sync)
         self.odometry = OdometryBuffer(settings.ego_history)
         self.ready = False  # the worker can take requests
         self.busy = False  # a request is in the worker
@@ -136,7 +137,7 @@ class PlanScheduler:
         self.counters.dropped[reason] += 1
         return dropped
 
-    def add_frame(self, camera: int, stamp_ns: int, frame: np.ndarray, now_ns: int) -> PlanRequest | Problem | None:
+    def add_frame(self, camera: int, stamp_ns: int, frame: KeyedFrame, now_ns: int) -> PlanRequest | Problem | None:
         """Buffer a decoded frame; with trigger frames, a fresh complete set starts a plan (or a
         Problem says why not). A frame stamped ahead of the clock is refused: Dropped."""
         ahead_ns = stamp_ns - now_ns

@@ -2,7 +2,7 @@
 
 The single entry point shared by the drive node and the bag evaluator, so live and offline
 planning see inputs built by the same rules. Decoding and resizing happen before: frames
-arrive as H x W x 3 uint8 RGB arrays.
+arrive as H x W x 3 uint8 RGB arrays, keyed (KeyedFrame), and the input carries their keys.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from alpamayo_ros.core.frame_key import KeyedFrame
 from alpamayo_ros.core.types import DrivingInput
 from alpamayo_ros.inputs import RejectReason, Rejection
 from alpamayo_ros.inputs.ego_history import EgoHistory, OdometryBuffer
@@ -22,12 +23,12 @@ class Assembly:
     """A DrivingInput plus what was learned while building it (ages, the t0 pose)."""
 
     driving_input: DrivingInput
-    frames: FrameSet[np.ndarray]
+    frames: FrameSet[KeyedFrame]
     ego: EgoHistory
 
 
 def build_driving_input(
-    frame_sync: FrameSync[np.ndarray],
+    frame_sync: FrameSync[KeyedFrame],
     odometry: OdometryBuffer,
     *,
     now_ns: int | None = None,
@@ -57,15 +58,16 @@ def build_driving_input(
         ego_history_xyz=ego.xyz,
         ego_history_rot=ego.rot,
         route_text=route_text or None,
-    )
+    ).with_frame_keys([frame.key for row in frames.frames for frame in row])
     return Assembly(driving_input=driving_input, frames=frames, ego=ego)
 
 
-def _stack_images(frames: FrameSet[np.ndarray]) -> np.ndarray | Rejection:
+def _stack_images(frames: FrameSet[KeyedFrame]) -> np.ndarray | Rejection:
     """(cameras, frames, H, W, 3) uint8, or a rejection naming the first odd frame."""
-    expected = frames.frames[0][0].shape
+    expected = frames.frames[0][0].image.shape
     for camera, row, stamps in zip(frames.camera_indices, frames.frames, frames.stamps_ns):
-        for stamp, image in zip(stamps, row):
+        for stamp, frame in zip(stamps, row):
+            image = frame.image
             if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
                 return Rejection(
                     RejectReason.IMAGE_SIZE,
@@ -77,4 +79,8 @@ def _stack_images(frames: FrameSet[np.ndarray]) -> np.ndarray | Rejection:
                     f"camera {camera}: frame at {int(stamp)} ns is {image.shape}, camera "
                     f"{frames.camera_indices[0]} is {expected} (configure a common image size)",
                 )
-    return np.stack([np.stack(row) for row in frames.frames])
+    stacked = np.empty((len(frames.frames), len(frames.frames[0]), *expected), dtype=np.uint8)
+    for camera_row, row in zip(stacked, frames.frames):  # one copy of each frame, into an array of its own
+        for slot, frame in zip(camera_row, row):
+            slot[...] = frame.image
+    return stacked
