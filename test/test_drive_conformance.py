@@ -47,6 +47,7 @@ from alpamayo_ros.testing.rig import (
     wait_until,
     write_params_file,
 )
+from alpamayo_ros.testing.threads import set_torch_threads
 from alpamayo_ros_msgs.msg import TrajectorySet
 
 S = 1_000_000_000
@@ -184,6 +185,9 @@ def run_node(tmp: Path, params: Path) -> tuple[dict[int, dict], dict[int, np.nda
         for topic in stepper.publishers:
             assert side.wait_for_subscribers(topic, timeout_s=TIMEOUT_S), f"{topic}\n{log_excerpt(log)}"
         assert side.wait_for_publishers(f"{NODE}/debug/ticks", timeout_s=TIMEOUT_S), log_excerpt(log)
+        # the node's clock has reached tick 0 before the first sensors: with the clock still at 0
+        # they would be ahead of it (camera_future), which they never are by the bag's log times
+        assert stepper.wait_for_tick(tick_ns(0)), f"no outcome for tick 0\n{log_excerpt(log)}"
         rng = np.random.default_rng(7)
         for step in range(1, STEPS + 1):
             stepper.publish(step_messages(step, rng))
@@ -237,14 +241,14 @@ def test_node_and_evaluator_decide_every_tick_alike(tmp_path: Path, tiny_checkpo
 
     settings = drive_settings(params, {})
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the node (OMP_NUM_THREADS=1): the same float sums
+    set_torch_threads(1)  # as the node (OMP_NUM_THREADS=1): the same float sums
     try:
         planner = load_pipeline(settings)
         ticks = [tick_ns(step) for step in range(1, STEPS + 1)]
         result = evaluate_bag(bag, planner, settings, ticks_ns=ticks)
         planner.close()
     finally:
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
 
     node_outcomes = [(records[t]["t0_ns"], records[t]["outcome"], records[t]["reason"]) for t in ticks]
     evaluator_outcomes = [(r.t0_ns, "planned" if r.plan is not None else "skipped", r.skip_reason or "")

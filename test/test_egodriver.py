@@ -35,6 +35,7 @@ from alpamayo_ros.sim.loop import SessionLoop
 from alpamayo_ros.sim.process import EgodriverProcess, start_egodriver
 from alpamayo_ros.sim.record import read_plan
 from alpamayo_ros.sim.session import PendingObservations, Session
+from alpamayo_ros.testing.threads import set_torch_threads
 
 CAMERAS = (FakeCamera(logical_id="camera_front_wide_120fov", width=320, height=180, fov_deg=90.0),
            FakeCamera(logical_id="camera_front_tele_30fov", width=320, height=180, fov_deg=30.0))  # fmt: skip
@@ -67,11 +68,9 @@ def stub(service: tuple[EgodriverProcess, Path]) -> EgodriverServiceStub:
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_checkpoint: Path):
-    import torch
-
     from alpamayo_ros.core.pipeline import Pipeline
 
-    torch.set_num_threads(1)  # the service's float sums (conftest restores the count after this file)
+    set_torch_threads(1)  # the service's float sums (conftest restores the count after this file)
     return Pipeline.from_checkpoint(str(tiny_checkpoint), backend="hf", device="cpu")
 
 

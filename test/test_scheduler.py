@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from alpamayo_ros.core.frame_key import KeyedFrame, keyed_frame
 from alpamayo_ros.drive.scheduler import PlanRequest, PlanScheduler, Problem, TickOutcome
 from alpamayo_ros.settings import SPECS, parse_settings
 
@@ -23,8 +24,9 @@ def scheduler(**overrides) -> PlanScheduler:
     return PlanScheduler(parse_settings(values, check_paths=False))
 
 
-def frame() -> np.ndarray:
-    return np.zeros((8, 8, 3), dtype=np.uint8)
+def frame(camera: int, stamp_ns: int) -> KeyedFrame:
+    """A frame as the drive loop hands it on: decoded, read-only, keyed once."""
+    return keyed_frame(camera, stamp_ns, np.zeros((8, 8, 3), dtype=np.uint8))
 
 
 def feed(s: PlanScheduler, until_ns: int, *, since_ns: int = START - 2 * S, frame_id: str = "odom",
@@ -35,7 +37,7 @@ def feed(s: PlanScheduler, until_ns: int, *, since_ns: int = START - 2 * S, fram
         s.add_odometry(stamp, np.array([5.0 * (stamp - START) / S, 0.0, 0.0]), np.array([0.0, 0.0, 0.0, 1.0]), frame_id, stamp)
         if (stamp - since_ns) % (100 * MS) == 0:
             for camera in (1, 6):
-                s.add_frame(camera, stamp + offsets.get(camera, 0), frame(), stamp)
+                s.add_frame(camera, stamp + offsets.get(camera, 0), frame(camera, stamp + offsets.get(camera, 0)), stamp)
 
 
 def test_tick_outcomes_add_up_to_ticks_exactly() -> None:
@@ -96,7 +98,7 @@ def test_all_sensors_ahead_is_a_future_fault_not_stale_odometry() -> None:
         s.add_odometry(stamp + ahead, np.zeros(3), np.array([0.0, 0.0, 0.0, 1.0]), "odom", stamp)
         if stamp % (100 * MS) == 0:
             for camera in (1, 6):
-                s.add_frame(camera, stamp + ahead, frame(), stamp)
+                s.add_frame(camera, stamp + ahead, frame(camera, stamp + ahead), stamp)
     result = s.tick(START)
     assert result.problem.reason == "camera_future"
     # cameras fine, odometry ahead: its own reason
