@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from alpamayo_ros.core.types import CAMERAS, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, SamplingSettings
+from alpamayo_ros.core.types import CAMERAS, EXPERT_QUANTIZATIONS, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, SamplingSettings
 from alpamayo_ros.inputs.ego_history import EgoHistoryConfig
 from alpamayo_ros.inputs.frame_sync import FrameSyncConfig
 from alpamayo_ros.inputs.route import DEFAULT_MAX_ROUTE_CHARS
@@ -83,6 +83,12 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         "auto",
         "Model weights dtype; auto = the checkpoint's.",
         choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    ParamSpec(
+        "model.expert_quantization",
+        "none",
+        "Action expert weights: fp8 = FP8 copies of its layer weights (kernel chosen for the GPU: Marlin weight-only where vLLM has it, else torch._scaled_mm, else dequantised), fp8_<kernel> = that kernel, none = full precision. In-process backends; a remote server has its own --expert-quantization.",
+        choices=EXPERT_QUANTIZATIONS,
     ),
     ParamSpec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),
     ParamSpec(
@@ -414,6 +420,7 @@ class DriveSettings:
     backend: str
     device: str
     dtype: str | None  # None: the checkpoint's dtype
+    expert_quantization: str  # core.types.EXPERT_QUANTIZATIONS
     model_id: str
     backend_options: dict[str, Any]
     cameras: tuple[CameraInput, ...]
@@ -525,6 +532,13 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         "speculation_method": v["vllm.speculation.method"],
         "speculation_draft_tokens": v["vllm.speculation.draft_tokens"],
     }
+    if v["model.expert_quantization"] != "none":
+        if v["model.backend"] == "remote":
+            raise ParameterError("model.expert_quantization", "needs an in-process backend (hf or vllm); a remote "
+                                                              "server sets its own (--expert-quantization)")
+        if v["model.backend"] == "vllm" and v["vllm.tensor_parallel_size"] > 1:
+            raise ParameterError("model.expert_quantization", "not with vllm.tensor_parallel_size > 1 (the expert "
+                                                              "runs in vLLM's workers there, in full precision)")
     if v["vllm.speculation.method"] != "none":
         if v["model.backend"] != "vllm":
             raise ParameterError(
@@ -541,6 +555,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         backend=v["model.backend"],
         device=v["model.device"],
         dtype=model_dtype,
+        expert_quantization=v["model.expert_quantization"],
         model_id=v["model.id"] or _model_id(checkpoint, remote),
         backend_options=backend_options if v["model.backend"] == "vllm" else {},
         cameras=cameras,

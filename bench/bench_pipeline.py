@@ -1,7 +1,8 @@
 """Benchmark the planning pipeline (the same `Pipeline.plan` the node calls), per stage.
 
 Workloads (issue 7): W16 = cameras 0,1,2,6 x 4 frames of 1080x1920 RGB, 1 sample, reasoning forced
-to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights;
+to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights
+and FP8 expert weights (kernel chosen for the GPU; --expert-quantization picks one, or none);
 "-s16" = 16 samples of each plan (upstream's num_traj_samples=16, the setting behind minADE@16).
 Inputs stream as a node sees them at a 10 Hz plan rate: each plan brings one new frame per camera
 and shares the other three with the plan before (so frame caches work as in the node);
@@ -46,13 +47,27 @@ from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.frame_key import frame_key
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
-from alpamayo_ros.core.types import FRAME_SPACING_S, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
+from alpamayo_ros.core.types import (
+    EXPERT_QUANTIZATIONS,
+    FRAME_SPACING_S,
+    NUM_HISTORY_POSES,
+    DrivingInput,
+    SamplingSettings,
+)
 
 logger = logging.getLogger("bench")
 
-# H200 figures measured on the lent machine (device tool KINDS.md): copy bandwidth, bf16 GEMM peak.
-HBM_BYTES_PER_S = 4.3e12
-BF16_FLOPS_PER_S = 790e12
+#: (copy bandwidth B/s, bf16 GEMM FLOP/s) per GPU name fragment. The H200's were measured on the
+#: lent machine (device tool KINDS.md); the H100 SXM has the same chip's compute and 3.35 of the
+#: H200's 4.8 TB/s nominal, taken at the same 90% the H200 reaches.
+GPU_RATES = {"H200": (4.3e12, 790e12), "H100": (3.0e12, 790e12)}
+
+
+def gpu_rates() -> tuple[str, float, float]:
+    """(GPU kind, bytes/s, FLOP/s) the floors are computed for: this process's GPU if known, else the H200."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    kind = next((kind for kind in GPU_RATES if kind in name), "H200")
+    return (kind, *GPU_RATES[kind])
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class Workload:
     width: int = 1920
     reasoning_tokens: int = 40
     quantization: str | None = None
+    expert_quantization: str = "none"  # core.types.EXPERT_QUANTIZATIONS
     stream: bool = True  # consecutive plans share all but one frame per camera
     samples: int = 1  # trajectories (reasoning rows) per plan
 
@@ -73,7 +89,7 @@ WORKLOADS = {
     "W16": Workload(cameras=(0, 1, 2, 6)),
     "W16-fresh": Workload(cameras=(0, 1, 2, 6), stream=False),
     "W16-s16": Workload(cameras=(0, 1, 2, 6), samples=16),
-    "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8"),
+    "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8", expert_quantization="fp8"),
     "W4": Workload(cameras=(1,)),
     "smoke": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8),
     "smoke-s3": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8, samples=3),
@@ -177,7 +193,8 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, 
 
 
 def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, image_patches: int) -> dict:
-    """Lower bounds for the workload on one H200, from bytes moved and FLOPs."""
+    """Lower bounds for the workload on this GPU (gpu_rates), from bytes moved and FLOPs."""
+    _, bandwidth, flops = gpu_rates()
     text = config.backbone.text
     hidden, layers, inter = text["hidden_size"], text["num_hidden_layers"], text["intermediate_size"]
     heads, kv_heads, head_dim = text["num_attention_heads"], text["num_key_value_heads"], config.backbone.head_dim
@@ -186,7 +203,7 @@ def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, ima
     weight_bytes = 2 if workload.quantization is None else 1
     decode_bytes = (layers * layer_params + vocab * hidden) * weight_bytes
     kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
-    decode_ms = (decode_bytes + kv_bytes_per_token * prompt_tokens) / HBM_BYTES_PER_S * 1e3
+    decode_ms = (decode_bytes + kv_bytes_per_token * prompt_tokens) / bandwidth * 1e3
     prefill_flops = 2 * layers * layer_params * prompt_tokens + 4 * layers * heads * head_dim * prompt_tokens**2 / 2
     vision = config.backbone.vision
     v_hidden, v_inter, depth = vision["hidden_size"], vision["intermediate_size"], vision["depth"]
@@ -196,17 +213,18 @@ def roofline(config: AlpamayoConfig, workload: Workload, prompt_tokens: int, ima
     expert_layer = expert.hidden_size * expert.head_dim * (2 * expert.num_heads + 2 * expert.num_kv_heads)
     expert_params = expert.num_layers * (expert_layer + 3 * expert.hidden_size * expert.intermediate_size)
     prefix_kv = kv_bytes_per_token * prompt_tokens * expert.num_layers / layers  # read once: rows share it
-    expert_bytes_ms = 10 * (expert_params * 2 + prefix_kv) / HBM_BYTES_PER_S * 1e3
+    expert_weight_bytes = 2 if workload.expert_quantization == "none" else 1
+    expert_bytes_ms = 10 * (expert_params * expert_weight_bytes + prefix_kv) / bandwidth * 1e3
     # with many rows the expert is bound by FLOPs: 64 tokens per row through every weight, and
     # their attention to the prefix
     tokens = 64 * workload.samples
     attention_flops = 4 * expert.num_layers * expert.num_heads * expert.head_dim * tokens * prompt_tokens
-    expert_flops_ms = 10 * (2 * expert_params * tokens + attention_flops) / BF16_FLOPS_PER_S * 1e3
+    expert_flops_ms = 10 * (2 * expert_params * tokens + attention_flops) / flops * 1e3
     # decode: weights once per step, every row's K/V
-    decode_ms += kv_bytes_per_token * prompt_tokens * (workload.samples - 1) / HBM_BYTES_PER_S * 1e3
+    decode_ms += kv_bytes_per_token * prompt_tokens * (workload.samples - 1) / bandwidth * 1e3
     floors = {
-        "vision": vision_flops / BF16_FLOPS_PER_S * 1e3,
-        "prefill": prefill_flops / BF16_FLOPS_PER_S * 1e3,
+        "vision": vision_flops / flops * 1e3,
+        "prefill": prefill_flops / flops * 1e3,
         "decode": decode_ms * workload.reasoning_tokens,
         "expert": max(expert_bytes_ms, expert_flops_ms),
     }
@@ -239,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                         "wrong, half; see the module doc) instead of comparing backends")
     parser.add_argument("--exact", action="store_true",
                         help="with --speculation: exit 1 when a regime's reasoning ids differ from no speculation")
+    parser.add_argument("--expert-quantization", choices=EXPERT_QUANTIZATIONS,
+                        help="the expert's weights in every workload (default: the workload's; -fp8 ones: fp8)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     parser.add_argument("--profile-dir", type=Path,
                         help="after the timed runs, trace one more plan per backend (torch.profiler) and write its tables here")
@@ -280,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config: AlpamayoConfig, dtype: str) -> dict:
     """Every backend on one workload, one after the other in this process."""
-    workload = WORKLOADS[name]
-    results: dict = {"workload": name, "samples": workload.samples, "device": args.device, "dtype": dtype, "backends": {}}
+    workload = expert_weights(WORKLOADS[name], args)
+    results: dict = {"workload": name, "samples": workload.samples, "device": args.device, "dtype": dtype,
+                     "expert_quantization": workload.expert_quantization, "backends": {}}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
     backends = args.backends.split(",")
@@ -290,8 +311,10 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     for position, backend in enumerate(backends):
         options = vllm_options(args, workload) if backend == "vllm" else {}
         start = time.perf_counter()
-        pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype, backend_options=options)
+        pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype,
+                                            backend_options=options, expert_quantization=workload.expert_quantization)
         load_s = time.perf_counter() - start
+        results["expert_fp8_kernel"] = pipeline.expert.fp8_kernel
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         runs = args.runs if position == 0 else min(args.runs, args.compare_runs)
@@ -312,7 +335,15 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
     prompt_tokens = images * 186 + 90  # image tokens + frame/camera text per image, plus the fixed text
     encoded = len(workload.cameras) if workload.stream else images  # new frames per plan
     results["roofline_floor_ms"] = roofline(config, workload, prompt_tokens, encoded * 720)
+    results["roofline_gpu"] = gpu_rates()[0]
     return results
+
+
+def expert_weights(workload: Workload, args: argparse.Namespace) -> Workload:
+    """The workload with the expert's weights --expert-quantization asks for, if it does."""
+    if args.expert_quantization is None:
+        return workload
+    return dataclasses.replace(workload, expert_quantization=args.expert_quantization)
 
 
 def vllm_options(args: argparse.Namespace, workload: Workload) -> dict:
@@ -338,7 +369,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     regime must give)."""
     from alpamayo_ros.core.vllm_adapter.speculation import PROMPT_TAIL, scripted_row
 
-    workload = WORKLOADS[name]
+    workload = expert_weights(WORKLOADS[name], args)
     draft = args.speculation
     settings = greedy_settings(workload)
     count = args.warmup + args.runs
@@ -373,7 +404,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
         return entry
 
     options = vllm_options(args, workload)
-    pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options)
+    pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options,
+                                        expert_quantization=workload.expert_quantization)
     reference, stages = timed(pipeline, None)
     results["regimes"]["none"] = summary(reference, stages, None)
     prompts = [
@@ -386,7 +418,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
         torch.cuda.empty_cache()
 
     options = {**options, "speculation_method": "plans", "speculation_draft_tokens": draft}
-    pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options)
+    pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options,
+                                        expert_quantization=workload.expert_quantization)
     history = pipeline.backbone.plan_history
     wrong = pipeline.tokenizer.ids.traj_start  # an <i*> id: masked, so never right
     for regime, right in SPECULATION_REGIMES.items():
@@ -470,7 +503,9 @@ def write_profile(plan: Callable[[], object], path: Path) -> None:
 def print_report(results: dict) -> None:
     """Markdown tables: per-stage p50/p90/p99 per backend, ratios against the first backend."""
     backends = list(results["backends"])
-    lines = [f"## {results['workload']} on {results.get('gpu', results['device'])} ({results['dtype']})", ""]
+    expert = results.get("expert_fp8_kernel")
+    weights = f", FP8 expert ({expert})" if expert else ""
+    lines = [f"## {results['workload']} on {results.get('gpu', results['device'])} ({results['dtype']}{weights})", ""]
     lines.append("| backend | stage | p50 ms | p90 ms | p99 ms | floor ms | floor/p50 |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- |")
     floors = results["roofline_floor_ms"]

@@ -7,7 +7,7 @@ Times (us per call, CUDA graphs of 20 calls) for the expert's shapes:
   block table whose rows share the prefix's blocks against the split shared/own attention the sampler ran before the paged state;
 - the layer's GEMMs at 64 rows: cuBLAS (F.linear) against a Triton split-K kernel over a small
   grid of tile shapes (fp32 partials summed by torch, the sum included);
-- the kernel timeline of today's compiled sampler (1 row, bucket 256 and exact; 16 rows shared),
+- the kernel timeline of today's compiled sampler (1 row, bucket 256 and exact; 16 rows over vLLM's blocks),
   grouped into GEMM, attention, Triton-fused elementwise and the rest.
 
     PYTHONPATH=/tmp/site:. python -m bench.expert_kernels --out $OUT/kernels.json   # on the GPU
@@ -258,7 +258,7 @@ def timeline(figures: dict) -> None:
 
     from alpamayo_ros.core.expert import ActionExpertModel
     from alpamayo_ros.core.flow_matching import ExpertSampler
-    from bench.expert_parity import shared_cache
+    from bench.expert_parity import samples_cache, vllm_paged
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -268,8 +268,8 @@ def timeline(figures: dict) -> None:
          random_cache(FULL, 1, 3100, "cuda", torch.bfloat16)),
         ("1 row exact", ExpertSampler(expert, bucket=1, compile_layers=True),
          random_cache(FULL, 1, 3100, "cuda", torch.bfloat16)),
-        ("16 rows shared", ExpertSampler(expert, bucket=256, compile_layers=True),
-         shared_cache(FULL, 16, 3100, 40, "cuda", torch.bfloat16)),
+        ("16 rows over vLLM's blocks", ExpertSampler(expert, bucket=256, compile_layers=True),
+         vllm_paged(samples_cache(FULL, 16, 3100, 40, "cuda", torch.bfloat16), 3100)),
     ]
     for label, sampler, cache in cases:
         noise = torch.randn(cache.rows, 64, 2, device="cuda")

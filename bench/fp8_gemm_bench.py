@@ -1,9 +1,12 @@
-"""Time the backbone's GEMMs in bf16 against every FP8 path vLLM 0.26 offers, without a model.
+"""Time the backbone's and the expert's GEMMs in bf16 against every FP8 path vLLM 0.26 offers,
+without a model.
 
 Shapes come from the checkpoint config (text: fused qkv, o_proj, fused gate_up, down, lm_head;
-vision tower: qkv, proj, fc1, fc2), at decode M (1..16 rows) and prefill M (the W16 prompt;
-the vision tower at 4 and 16 new frames). Each variant is what one vLLM linear layer does per
-call, the activation's dynamic quantisation included:
+vision tower: qkv, proj, fc1, fc2; the action expert's fused qkv, o, gate_up, down), at decode M
+(1..16 rows) and prefill M (the W16 prompt; the vision tower at 4 and 16 new frames); the
+expert's at 64 rows (one sample's 64 action tokens), 128 (one sample under navigation guidance)
+and 1024 (16 samples). Each variant is what one vLLM linear layer does per call, the
+activation's dynamic quantisation included:
 
 - bf16: F.linear (cuBLAS), the reference.
 - cutlass_token_tensor: per-token activations, one weight scale, torch.ops._C.cutlass_scaled_mm
@@ -49,13 +52,15 @@ import torch.nn.functional as F
 
 from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
-from bench.bench_pipeline import HBM_BYTES_PER_S
+from bench.bench_pipeline import gpu_rates
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 BLOCK = 128  # vLLM's FP8 block: (1, 128) activation groups, 128 x 128 weight tiles
 ROTATION_BYTES = 256 * 2**20  # weight copies per shape: several times the H200's 50 MB L2
 DECODE_M = (1, 2, 4, 8, 16)
+EXPERT_M = (64, 128, 1024)  # action tokens of 1 sample, 1 guided sample, 16 samples
+FLOW_STEPS = 10  # expert forwards per plan
 #: calls captured per CUDA graph and graph replays per timing
 CALLS_PER_GRAPH, REPLAYS = 20, 10
 
@@ -69,6 +74,7 @@ class Shape:
     k: int  # input features
     ms: tuple[int, ...]  # rows to time it at
     per_token: int  # times one decode step runs it (layers), 0: not in decode
+    per_plan: int = 0  # times one plan's flow matching runs it (layers x steps), 0: not in the expert
 
 
 def backbone_shapes(config: AlpamayoConfig, prompt_tokens: int, patches: tuple[int, ...]) -> list[Shape]:
@@ -90,6 +96,20 @@ def backbone_shapes(config: AlpamayoConfig, prompt_tokens: int, patches: tuple[i
         Shape("vision.proj", v_hidden, v_hidden, patches, 0),
         Shape("vision.fc1", v_inter, v_hidden, patches, 0),
         Shape("vision.fc2", v_hidden, v_inter, patches, 0),
+    ]
+
+
+def expert_shapes(config: AlpamayoConfig) -> list[Shape]:
+    """The action expert's linear layers (q, k and v fused, gate and up fused, as ExpertLayer
+    runs them), from the checkpoint config."""
+    expert = config.expert
+    hidden, q_width = expert.hidden_size, expert.num_heads * expert.head_dim
+    per_plan = expert.num_layers * FLOW_STEPS
+    return [
+        Shape("expert.qkv", q_width + 2 * expert.num_kv_heads * expert.head_dim, hidden, EXPERT_M, 0, per_plan),
+        Shape("expert.o", hidden, q_width, EXPERT_M, 0, per_plan),
+        Shape("expert.gate_up", 2 * expert.intermediate_size, hidden, EXPERT_M, 0, per_plan),
+        Shape("expert.down", hidden, expert.intermediate_size, EXPERT_M, 0, per_plan),
     ]
 
 
@@ -354,7 +374,7 @@ def bench_shape(shape: Shape, variants: list[str], device: torch.device, seed: i
                 results.append({
                     **entry, "m": m, "status": "ok" if math.isfinite(err) and err < 0.1 else "wrong",
                     "us": us, "timing": how, "rel_err": err, "weight_bytes": weight_bytes,
-                    "tb_per_s": weight_bytes / us / 1e6, "floor_us": weight_bytes / HBM_BYTES_PER_S * 1e6,
+                    "tb_per_s": weight_bytes / us / 1e6, "floor_us": weight_bytes / gpu_rates()[1] * 1e6,
                 })  # fmt: skip
             except Exception as error:  # noqa: BLE001
                 results.append({**entry, "m": m, "status": "failed", "reason": reason(error)})
@@ -388,7 +408,21 @@ def decode_step_ms(results: list[dict], shapes: list[Shape]) -> dict[str, dict[s
     return table
 
 
-def print_report(results: list[dict], steps: dict[str, dict[str, float]]) -> None:
+def expert_plan_ms(results: list[dict], shapes: list[Shape]) -> dict[str, dict[str, float]]:
+    """Per expert M and variant: one plan's expert GEMM time (every layer's four projections in
+    every flow step), where all four shapes timed ok."""
+    counts = {shape.name: shape.per_plan for shape in shapes if shape.per_plan}
+    timed = {(r["shape"], r["m"], r["variant"]): r["us"] for r in results if r["status"] == "ok"}
+    table: dict[str, dict[str, float]] = {}
+    for m in EXPERT_M:
+        for variant in VARIANTS:
+            parts = [timed.get((name, m, variant)) for name in counts]
+            if counts and all(part is not None for part in parts):
+                table.setdefault(str(m), {})[variant] = sum(p * counts[n] for p, n in zip(parts, counts)) / 1e3
+    return table
+
+
+def print_report(results: list[dict], steps: dict[str, dict[str, float]], plans: dict[str, dict[str, float]]) -> None:
     lines = ["| shape | M | variant | us | TB/s | x bf16 | rel err | timing |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     base = {(r["shape"], r["m"]): r["us"] for r in results if r["variant"] == "bf16" and r["status"] == "ok"}
     for r in results:
@@ -411,6 +445,10 @@ def print_report(results: list[dict], steps: dict[str, dict[str, float]]) -> Non
               "| ---: |" + " ---: |" * len(VARIANTS)]  # fmt: skip
     for m, row in steps.items():
         lines.append(f"| {m} | " + " | ".join(f"{row[v]:.3f}" if v in row else "-" for v in VARIANTS) + " |")
+    lines += ["", f"Expert GEMMs of one plan (all layers x {FLOW_STEPS} flow steps), ms:", "",
+              "| M | " + " | ".join(VARIANTS) + " |", "| ---: |" + " ---: |" * len(VARIANTS)]  # fmt: skip
+    for m, row in plans.items():
+        lines.append(f"| {m} | " + " | ".join(f"{row[v]:.2f}" if v in row else "-" for v in VARIANTS) + " |")
     missing: dict[tuple[str, str], set[str]] = {}
     for r in results:
         if r["status"] in ("unavailable", "failed"):
@@ -439,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = write_checkpoint(Path(tempfile.mkdtemp(prefix="gemm-cfg-")), full_size=not args.smoke, weights=False)
     config = AlpamayoConfig.from_checkpoint(checkpoint)
     prompt, patches = (24, (32,)) if args.smoke else (args.prompt_tokens, tuple(int(p) for p in args.patches.split(",")))
-    shapes = backbone_shapes(config, prompt, patches)
+    shapes = backbone_shapes(config, prompt, patches) + expert_shapes(config)
     if args.shapes:
         wanted = args.shapes.split(",")
         if unknown := [name for name in wanted if name not in {s.name for s in shapes}]:
@@ -455,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_shape(shape, [variant], device, seed=index)
         if args.json_dir:
             write_report(args.json_dir, device, shapes, results)
-    print_report(results, decode_step_ms(results, shapes))
+    print_report(results, decode_step_ms(results, shapes), expert_plan_ms(results, shapes))
     return 1 if any(r["status"] == "wrong" for r in results) else 0
 
 
@@ -467,6 +505,7 @@ def write_report(json_dir: Path, device: torch.device, shapes: list[Shape], resu
         "shapes": [vars(s) for s in shapes],
         "results": results,
         "decode_step_gemm_ms": decode_step_ms(results, shapes),
+        "expert_plan_gemm_ms": expert_plan_ms(results, shapes),
     }
     (json_dir / "fp8_gemm.json").write_text(json.dumps(report, indent=1))
 

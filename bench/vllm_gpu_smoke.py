@@ -47,7 +47,7 @@ def driving_input(cameras: tuple[int, ...], frames: int, route: str | None, seed
 
 def kv_error(cache: Any, oracle: Any) -> dict[str, float]:
     """Largest |dK|, |dV| over layers and valid columns, and the largest |K| for scale (a paged
-    or shared-prompt cache is copied out first, which checks the block read as well)."""
+    cache is copied out first, which checks the block read as well)."""
     cache = cache.materialized()
     worst_k = worst_v = scale = 0.0
     for k, v, rk, rv in zip(cache.keys, cache.values, oracle.keys, oracle.values):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -63,9 +65,11 @@ def test_tp_bench_runs_as_a_module_of_the_bench_package(tmp_path: Path) -> None:
 def test_fp8_gemm_bench_checks_fp8_against_fp32_and_names_missing_ops(tmp_path: Path) -> None:
     """`python -m bench.fp8_gemm_bench --smoke`: the torch._scaled_mm paths really quantise
     (FP8-sized error, not bf16's), vLLM ops absent from this build are reported with their
-    name instead of failing the run, and a bad --variants is refused before any work."""
+    name instead of failing the run, the expert's four GEMMs add up to a plan's figure, and a
+    bad --variants is refused before any work."""
+    expert = ("expert.qkv", "expert.o", "expert.gate_up", "expert.down")
     result = subprocess.run(
-        [sys.executable, "-m", "bench.fp8_gemm_bench", "--smoke", "--shapes", "o_proj,down_proj",
+        [sys.executable, "-m", "bench.fp8_gemm_bench", "--smoke", "--shapes", ",".join(("o_proj", "down_proj", *expert)),
          "--variants", "bf16,torch_tensor,torch_rowwise,cutlass_token_tensor,marlin_w8a16", "--json-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
@@ -76,7 +80,7 @@ def test_fp8_gemm_bench_checks_fp8_against_fp32_and_names_missing_ops(tmp_path: 
         by_variant.setdefault(entry["variant"], []).append(entry)
     assert {(e["shape"], e["m"]) for e in by_variant["bf16"]} == {
         (shape, m) for shape in ("o_proj", "down_proj") for m in (1, 2, 4, 8, 16, 24)
-    }
+    } | {(shape, m) for shape in expert for m in (64, 128, 1024)}
     assert all(e["status"] == "ok" and e["rel_err"] < 1e-2 and e["us"] > 0 for e in by_variant["bf16"])
     for variant in ("torch_tensor", "torch_rowwise"):
         assert all(e["status"] == "ok" and 1e-3 < e["rel_err"] < 0.1 for e in by_variant[variant]), variant
@@ -85,6 +89,11 @@ def test_fp8_gemm_bench_checks_fp8_against_fp32_and_names_missing_ops(tmp_path: 
     step = report["decode_step_gemm_ms"]["1"]
     assert step["bf16"] > 0 and step["torch_tensor"] > 0 and "cutlass_token_tensor" not in step
     assert "Fastest correct FP8 variant" in result.stdout
+    layers = report["shapes"][-1]["per_plan"]  # the tiny expert's layers x 10 flow steps
+    timed = {(e["shape"], e["m"]): e["us"] for e in by_variant["torch_rowwise"]}
+    plan = report["expert_plan_gemm_ms"]["64"]
+    assert plan["torch_rowwise"] == pytest.approx(sum(timed[(shape, 64)] for shape in expert) * layers / 1e3)
+    assert "cutlass_token_tensor" not in plan and "Expert GEMMs of one plan" in result.stdout
 
     refused = subprocess.run(
         [sys.executable, "-m", "bench.fp8_gemm_bench", "--smoke", "--variants", "bf16,fp4", "--json-dir", str(tmp_path / "x")],
@@ -169,3 +178,18 @@ def test_fp8_block_quantisation_round_trips_within_fp8_error() -> None:
     expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:200, :300]
     error = torch.linalg.vector_norm(q.float() * expanded - weight) / torch.linalg.vector_norm(weight)
     assert 1e-3 < float(error) < 0.07
+
+
+def test_expert_parity_checks_every_fast_path_and_the_fp8_expert(tmp_path: Path) -> None:
+    """`python -m bench.expert_parity --smoke`: per-row copies and vLLM-style blocks, each in full
+    precision and with FP8 weights against its own float32 truth; on the CPU every path is exact."""
+    out = tmp_path / "parity.json"
+    result = subprocess.run([sys.executable, "-m", "bench.expert_parity", "--smoke", "--runs", "1", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0 and "parity ok" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["fp8_kernel"] == "dequant" and report["failed"] == []
+    for rows in ("rows_1", "rows_16"):
+        case = report[rows]
+        assert all(case[f"{name}_error"] < 1e-5 for name in ("plain", "vllm_paged", "fp8_plain", "fp8_vllm_paged"))
+        assert 1e-4 < case["fp8_vs_bf16_truth_relative"] < 0.1  # the FP8 truth really is another weight set

@@ -151,7 +151,7 @@ def _assert_prompt_blocks_shared(cache, prompt_len: int) -> None:
     """Every row's block table starts with the prompt's full blocks; no K/V of its own is held."""
     full = prompt_len // cache.paged.block_size
     table = cache.paged.block_table.cpu()
-    assert full >= 1 and not cache.keys and cache.shared_keys is None
+    assert full >= 1 and not cache.keys and not cache.values
     assert (table[:, :full] == table[:1, :full]).all()
     assert len({tuple(row) for row in table[:, full:].tolist()}) == cache.rows  # own tail blocks
 

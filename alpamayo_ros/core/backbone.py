@@ -83,9 +83,6 @@ class PrefixCache:
     rope_deltas: (N,) int64, M-RoPE delta of each row; expert token j sits at position
         j + offset + rope_delta on all three M-RoPE axes.
     valid: (N, T) bool or None; False marks padding columns (never attended).
-    shared_keys/shared_values: None, or one tensor per layer (1, H_kv, S, head_dim) holding
-        columns [0, S) once for every row (samples of one prompt share it); keys/values then
-        hold only each row's columns [S, T). Offsets, valid and T count all columns.
     paged: None, or the K/V left in a paged engine's blocks (keys/values are then empty and
         T is the longest row); release() it once the expert is done.
     """
@@ -95,19 +92,11 @@ class PrefixCache:
     offsets: torch.Tensor
     rope_deltas: torch.Tensor
     valid: torch.Tensor | None = None
-    shared_keys: list[torch.Tensor] | None = None
-    shared_values: list[torch.Tensor] | None = None
     paged: PagedPrefix | None = None
 
     def __post_init__(self) -> None:
-        if self.paged is not None and (self.keys or self.values or self.shared_keys is not None):
-            raise ValueError("paged: a paged cache holds no keys/values/shared_keys of its own")
-        if (self.shared_keys is None) != (self.shared_values is None):
-            raise ValueError("shared_keys/shared_values: give both or neither")
-        if self.shared_keys is not None:
-            shared, rows = self.shared_keys[0].shape, self.keys[0].shape
-            if shared[0] != 1 or shared[1] != rows[1] or shared[3] != rows[3]:
-                raise ValueError(f"shared_keys: expected layers (1, {rows[1]}, S, {rows[3]}), got {tuple(shared)}")
+        if self.paged is not None and (self.keys or self.values):
+            raise ValueError("paged: a paged cache holds no keys/values of its own")
 
     @property
     def rows(self) -> int:
@@ -118,15 +107,10 @@ class PrefixCache:
         return (self.keys[0] if self.paged is None else self.paged.key_blocks[0]).device
 
     @property
-    def shared_length(self) -> int:
-        """Columns held once for all rows (0 without a shared part)."""
-        return 0 if self.shared_keys is None else self.shared_keys[0].shape[2]
-
-    @property
     def length(self) -> int:
         if self.paged is not None:
             return max(self.paged.lengths)
-        return self.shared_length + self.keys[0].shape[2]
+        return self.keys[0].shape[2]
 
     def release(self) -> None:
         """Hand a paged cache's blocks back to its engine (nothing to do for the others)."""
@@ -134,26 +118,14 @@ class PrefixCache:
             self.paged.release()
 
     def materialized(self) -> PrefixCache:
-        """The same cache with every row's columns in its own tensors (no shared part, not paged).
+        """The same cache with every row's columns in its own tensors (a paged one gathered).
 
         For consumers of the plain (N, H_kv, T, D) layout: the reference expert path, tests.
         """
-        if self.paged is not None:
-            keys, values = self.paged.gather(self.length)
-            return PrefixCache(keys, values, self.offsets, self.rope_deltas, self.valid)
-        if self.shared_keys is None:
+        if self.paged is None:
             return self
-
-        def full(shared: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [torch.cat([s.expand(o.shape[0], -1, -1, -1), o], dim=2) for s, o in zip(shared, own)]
-
-        return PrefixCache(
-            keys=full(self.shared_keys, self.keys),
-            values=full(self.shared_values, self.values),
-            offsets=self.offsets,
-            rope_deltas=self.rope_deltas,
-            valid=self.valid,
-        )
+        keys, values = self.paged.gather(self.length)
+        return PrefixCache(keys, values, self.offsets, self.rope_deltas, self.valid)
 
 
 @dataclass

@@ -14,6 +14,9 @@ tokens' K/V per step; a paged cache (K/V an engine holds) only gets block tables
 (BlockTableState) and is read where it lies. They agree within float rounding; the cache is
 never mutated.
 
+`quantize_fp8()` gives every layer's projections FP8 copies (fp8_linear.py), which both paths
+then multiply with; the full-precision weights stay (state_dict, a later re-quantisation).
+
 Over 400 lines: one class per architectural unit (rope, attention with its fused QKV, MLP,
 layer, model, action expert), composed upward in the order of upstream's checkpoint keys, and
 the loading of the two fast-path states; the input side and the prefix bookkeeping already
@@ -42,6 +45,7 @@ from alpamayo_ros.core.expert_prefix import (
     check_paged_layers,
 )
 from alpamayo_ros.core.expert_state import BlockTableState, ExpertState
+from alpamayo_ros.core.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +181,8 @@ class ExpertAttention(nn.Module):
         # Unsaved: the checkpoint keeps upstream's q/k/v_proj keys, whose tensors are slices.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_fp8: Fp8Linear | None = None  # FP8 copies (quantize_fp8), used when set
+        self.o_fp8: Fp8Linear | None = None
         self._fuse_qkv()
         self.register_load_state_dict_post_hook(ExpertAttention._fuse_after_load)
 
@@ -193,6 +199,11 @@ class ExpertAttention(nn.Module):
         self.qkv_weight = _one_tensor_under([p.weight for p in projections], self.qkv_weight)
         if self.q_proj.bias is not None:
             self.qkv_bias = _one_tensor_under([p.bias for p in projections], self.qkv_bias)
+
+    def quantize_fp8(self, name: str, kernel: str) -> None:
+        """FP8 copies of the fused q/k/v weight (one GEMM) and of o_proj's; name: this module's."""
+        self.qkv_fp8 = Fp8Linear(self.qkv_weight, self.qkv_bias, name=f"{name}.qkv_proj", kernel=kernel)
+        self.o_fp8 = Fp8Linear(self.o_proj.weight, self.o_proj.bias, name=f"{name}.o_proj", kernel=kernel)
 
     @staticmethod
     def _fuse_after_load(module: ExpertAttention, _keys: object) -> None:
@@ -215,14 +226,16 @@ class ExpertAttention(nn.Module):
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVSource) -> torch.Tensor:
         """Attend h (N, L, E) to kv's keys and to itself; rope: cos, sin (N, L, 1, D)."""
         n_rows, length, _ = h.shape
-        q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split(self._qkv_rows, dim=-1)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias) if self.qkv_fp8 is None else self.qkv_fp8(h)
+        q, k, v = qkv.split(self._qkv_rows, dim=-1)
         q = self.q_norm(q.view(n_rows, length, -1, self.head_dim))  # (N, L, H, D)
         k = self.k_norm(k.view(n_rows, length, -1, self.head_dim))
         v = v.view(n_rows, length, -1, self.head_dim)
         cos, sin = rope
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        return self.o_proj(kv.attend(q, k, v).reshape(n_rows, length, -1))
+        out = kv.attend(q, k, v).reshape(n_rows, length, -1)
+        return self.o_proj(out) if self.o_fp8 is None else self.o_fp8(out)
 
 
 class KVSource(Protocol):
@@ -243,16 +256,27 @@ def layer_step(layer: ExpertLayer, h: torch.Tensor, rope: tuple[torch.Tensor, to
 
 
 class ExpertMLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward; with FP8 copies (quantize_fp8), gate and up as one GEMM."""
 
     def __init__(self, *, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_fp8: Fp8Linear | None = None
+        self.down_fp8: Fp8Linear | None = None
+
+    def quantize_fp8(self, name: str, kernel: str) -> None:
+        """FP8 copies of gate and up (stacked: one GEMM) and of down; name: this module's."""
+        gate_up = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        self.gate_up_fp8 = Fp8Linear(gate_up, None, name=f"{name}.gate_up_proj", kernel=kernel)
+        self.down_fp8 = Fp8Linear(self.down_proj.weight, None, name=f"{name}.down_proj", kernel=kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_fp8 is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_fp8(x).chunk(2, dim=-1)
+        return self.down_fp8(F.silu(gate) * up)
 
 
 class ExpertLayer(nn.Module):
@@ -366,6 +390,45 @@ class ActionExpertModel(nn.Module):
         if tuple(t.shape) != (n_rows,):
             raise ValueError(f"t: expected ({n_rows},), got {tuple(t.shape)}")
 
+    def quantize_fp8(self, kernel: str = "auto") -> None:
+        """Give every layer's projections FP8 copies of their weights (fp8_linear.py), which
+        every path then multiplies with; kernel: fp8_linear.KERNELS. The action projections stay
+        full precision (a fraction of a percent of the weights). The copies are a snapshot of
+        the weights on their current device: call again after changing or moving them."""
+        for i, layer in enumerate(self.expert.layers):
+            layer.self_attn.quantize_fp8(f"expert.layers.{i}.self_attn", kernel)
+            layer.mlp.quantize_fp8(f"expert.layers.{i}.mlp", kernel)
+        first = self.expert.layers[0].mlp.down_fp8
+        logger.info(f"action expert: FP8 layer weights ({first.kernel})")
+
+    @torch.no_grad()
+    def dequantized(self) -> ActionExpertModel:
+        """A copy without FP8 copies whose projection weights are this expert's FP8 weights,
+        dequantised, in float32: the exact reference of the FP8 expert (tests, parity benches).
+        Not for Marlin layers, which keep only their repacked weights."""
+        if self.fp8_kernel is None:
+            raise RuntimeError("dequantized: this expert has no FP8 copies (quantize_fp8)")
+        twin = ActionExpertModel(self.config).to(self.expert.norm.weight.device)
+        twin.load_state_dict(self.state_dict())
+        twin.float().eval()
+        for source, target in zip(self.expert.layers, twin.expert.layers):
+            attn, mlp = target.self_attn, target.mlp
+            for projection, weight in zip((attn.q_proj, attn.k_proj, attn.v_proj),
+                                          source.self_attn.qkv_fp8.dequantized().split(attn._qkv_rows)):  # fmt: skip
+                projection.weight.copy_(weight)
+            attn.o_proj.weight.copy_(source.self_attn.o_fp8.dequantized())
+            gate, up = source.mlp.gate_up_fp8.dequantized().chunk(2)
+            mlp.gate_proj.weight.copy_(gate)
+            mlp.up_proj.weight.copy_(up)
+            mlp.down_proj.weight.copy_(source.mlp.down_fp8.dequantized())
+        return twin
+
+    @property
+    def fp8_kernel(self) -> str | None:
+        """The FP8 copies' kernel, None without them."""
+        first = self.expert.layers[0].mlp.down_fp8
+        return None if first is None else first.kernel
+
     def _rope(self, cache: PrefixCache, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.expert.rope(action_positions(cache, self.config.n_waypoints), dtype)
 
@@ -384,14 +447,13 @@ class ActionExpertModel(nn.Module):
         hidden = self.expert(embeds, rope, kv_layers)
         return self.action_out_proj(hidden)
 
-    def new_state(self, rows: int, capacity: int, *, shared: int = 0) -> ExpertState:
-        """Zeroed ExpertState: `rows` rows of `capacity` own key columns (kept prefix columns
-        + padding + W action tokens), plus shared blocks for a prompt of up to `shared` columns."""
+    def new_state(self, rows: int, capacity: int) -> ExpertState:
+        """Zeroed ExpertState: `rows` rows of `capacity` key columns (kept prefix columns
+        + padding + W action tokens)."""
         cfg = self.config
         return ExpertState.zeros(
             rows=rows, capacity=capacity, n_tokens=cfg.n_waypoints, num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, like=self.expert.norm.weight,
-            shared=shared,
         )
 
     def new_paged_state(self, rows: int, width: int, cache: PrefixCache) -> BlockTableState:
@@ -409,9 +471,8 @@ class ActionExpertModel(nn.Module):
     def load_state(self, state: ExpertState | BlockTableState, caches: Sequence[PrefixCache]) -> None:
         """Fill `state` in place from `caches`, stacked along rows (conditional, route-free).
 
-        A shared state takes one cache with a shared part; a plain one any caches without; a
-        BlockTableState paged caches over its blocks. One host sync per cache: which columns
-        each row keeps.
+        An ExpertState takes plain caches; a BlockTableState paged caches over its blocks. One
+        host sync per cache: which columns each row keeps.
         """
         rows = sum(cache.rows for cache in caches)
         if rows != state.rows:
@@ -421,21 +482,11 @@ class ActionExpertModel(nn.Module):
             return
         if any(cache.paged is not None for cache in caches):
             raise ValueError("caches: one is paged; load it into a new_paged_state")
-        if state.shared and (len(caches) != 1 or caches[0].shared_keys is None):
-            raise ValueError("caches: a shared state takes exactly one cache with a shared part")
-        if not state.shared and any(cache.shared_keys is not None for cache in caches):
-            raise ValueError("caches: one has a shared part; load it into a shared state (new_state(shared=...))")
         start = 0
         for cache in caches:
             self.expert._check_layers(cache.keys, cache.values, cache.rows)
             keep = ~blocked_prefix(cache).cpu()
-            prompt = cache.shared_length
-            if not bool(keep[:, :prompt].all()):
-                raise ValueError("cache: a shared column is blocked for some row (offset or valid inside the shared part)")
-            state.load(
-                start, cache.keys, cache.values, keep[:, prompt:], self._rope(cache, state.cos.dtype),
-                cache.shared_keys, cache.shared_values,
-            )
+            state.load(start, cache.keys, cache.values, keep, self._rope(cache, state.cos.dtype))
             start += cache.rows
 
     def _load_paged(self, state: BlockTableState, caches: Sequence[PrefixCache]) -> None:
@@ -452,14 +503,14 @@ class ActionExpertModel(nn.Module):
 
     def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState | BlockTableState:
         """The state `cache` is attended through: a paged cache's block tables (BlockTableState,
-        capacity ignored), else a copy in a new ExpertState of `capacity` own columns per row
-        (default the row's columns past the shared prompt + W); a shared cache keeps its prompt once."""
+        capacity ignored), else a copy in a new ExpertState of `capacity` columns per row
+        (default the cache's columns + W)."""
         if cache.paged is not None:
             state = self.new_paged_state(cache.rows, cache.paged.block_table.shape[1], cache)
             self.load_state(state, [cache])
             return state
-        capacity = cache.length - cache.shared_length + self.config.n_waypoints if capacity is None else capacity
-        state = self.new_state(cache.rows, capacity, shared=cache.shared_length)
+        capacity = cache.length + self.config.n_waypoints if capacity is None else capacity
+        state = self.new_state(cache.rows, capacity)
         self.load_state(state, [cache])
         return state
 

@@ -6,12 +6,12 @@ the action tokens' K/V where it keeps the prefix and attends:
 - `ConcatKV`, the reference (upstream's append-then-crop): the backbone cache layer is
   concatenated with the action K/V on every call and masked by an additive 4D mask, in the
   plainest SDPA call; the tests' and benches' oracle.
-- `PagedKV`, the fast path: one layer of an ExpertState (expert_state.py), K/V in blocks of
-  PAGE tokens, rows that share a prompt pointing at the same blocks through a block table, and
-  each row's used length given; the action K/V are written into their slots in place. On an
-  H100/H200 with vLLM's FlashAttention-3 at hand, one varlen FA3 call reads the blocks where
-  they lie (no mask: a row's length cuts its padding, stop gap and spare columns off); elsewhere
-  the blocks are gathered and attended with a length mask (same numbers, slower).
+- `PagedKV`, the fast path over a copied cache: one layer of an ExpertState (expert_state.py),
+  each row's K/V in blocks of PAGE tokens of its own, and each row's used length given; the
+  action K/V are written into their slots in place. On an H100/H200 with vLLM's
+  FlashAttention-3 at hand, one varlen FA3 call reads the blocks where they lie (no mask: a
+  row's length cuts its padding, stop gap and spare columns off); elsewhere the rows are
+  attended with a length mask (same numbers, slower).
 - `BlockTableKV`, the fast path over K/V a paged engine holds (vLLM's cache, read where it
   lies, never written): the prefix through the engine's own block table, the action tokens'
   K/V as they come. With FA3, two calls (the paged prefix, then the action tokens) joined
@@ -80,29 +80,25 @@ def _fa3_paged_attention(
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
     slots: torch.Tensor,
-    block_table: torch.Tensor,
+    width: int,
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
-    shared: bool,
     num_splits: int,
 ) -> torch.Tensor:
     # Opaque to torch.compile, the slot writes included: traced, the writes into the blocks made
     # inductor copy the whole blocks twice per layer (8 ms a 1-row call on an H200), and FA3's
     # own op has no fake implementation to trace with.
     _write_slots(k_blocks, v_blocks, slots, k, v)
-    rows, width = block_table.shape
-    if not shared:
-        k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
+    rows = lengths.shape[0]
     return _FA3(
-        q, k_blocks, v_blocks, q.shape[0] // rows, cu_seqlens_q, width * PAGE, seqused_k=lengths,
-        block_table=block_table if shared else None, softmax_scale=scale, fa_version=3,
-        num_splits=num_splits,
+        q, _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width), q.shape[0] // rows, cu_seqlens_q,
+        width * PAGE, seqused_k=lengths, softmax_scale=scale, fa_version=3, num_splits=num_splits,
     )
 
 
 @_fa3_paged_attention.register_fake
-def _(q, k, v, k_blocks, v_blocks, slots, block_table, lengths, cu_seqlens_q, scale, shared, num_splits):
+def _(q, k, v, k_blocks, v_blocks, slots, width, lengths, cu_seqlens_q, scale, num_splits):
     return torch.empty_like(q)
 
 
@@ -113,21 +109,19 @@ def paged_attention(
     k_blocks: torch.Tensor,
     v_blocks: torch.Tensor,
     slots: torch.Tensor,
-    block_table: torch.Tensor,
+    width: int,
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
-    shared: bool,
 ) -> torch.Tensor:
     """Write the action K/V k, v (N*L, Hkv, D) into `slots`, then attend q (N*L, H, D), L
     queries per row, to each row's first lengths[n] paged keys.
 
-    k_blocks/v_blocks: (blocks, PAGE, Hkv, D); block_table: (N, width) int32, the blocks of
-    row n in order; lengths: (N,) int32. shared: rows share blocks; if not, row n's blocks are
-    n*width .. (n+1)*width - 1, and the blocks are read as one (N, width*PAGE, Hkv, D) batch
-    (FA3 runs faster without a block table: bench/EXPERT.md). Returns (N*L, H, D).
+    k_blocks/v_blocks: (blocks, PAGE, Hkv, D), row n's blocks n*width .. (n+1)*width - 1 in
+    order (rows share none), read as one (N, width*PAGE, Hkv, D) batch (FA3 runs faster that
+    way than through a block table: bench/EXPERT.md); lengths: (N,) int32. Returns (N*L, H, D).
     """
-    rows, width = block_table.shape
+    rows = lengths.shape[0]
     queries = q.shape[0] // rows
     # _FA3, not fa3_varlen(): this runs inside torch.compile, which must not trace the import;
     # ExpertState.zeros looks FA3 up on a CUDA device before any state is attended.
@@ -136,15 +130,11 @@ def paged_attention(
         # (bench/EXPERT.md: 93.7 against 100.2 us at 16 rows, 19.7 either way at 1 row).
         splits = 1 if q.shape[0] >= 512 else 0
         return _fa3_paged_attention(
-            q, k, v, k_blocks, v_blocks, slots, block_table, lengths, cu_seqlens_q, scale, shared, splits
+            q, k, v, k_blocks, v_blocks, slots, width, lengths, cu_seqlens_q, scale, splits
         )
     _write_slots(k_blocks, v_blocks, slots, k, v)
     kv_heads, head_dim = k_blocks.shape[2:]
-    if shared:
-        k_blocks = k_blocks[block_table].flatten(1, 2)  # (N, width*PAGE, Hkv, D)
-        v_blocks = v_blocks[block_table].flatten(1, 2)
-    else:
-        k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
+    k_blocks, v_blocks = _as_rows(k_blocks, rows, width), _as_rows(v_blocks, rows, width)
     heads = q.shape[1]
     folded = q.view(rows, queries, heads, head_dim).transpose(1, 2).reshape(rows, kv_heads, -1, head_dim)
     keys, values = k_blocks.transpose(1, 2), v_blocks.transpose(1, 2)  # (N, Hkv, width*PAGE, D)
@@ -168,17 +158,16 @@ def paged_attention(
 class PagedKV:
     """One layer of an ExpertState as seen by ExpertAttention (see the module docstring).
 
-    slots: (N*L,) int64, where the action tokens' K/V go in the flattened blocks; shared:
-    whether rows share blocks (see paged_attention).
+    width: blocks per row; slots: (N*L,) int64, where the action tokens' K/V go in the
+    flattened blocks.
     """
 
     k_blocks: torch.Tensor
     v_blocks: torch.Tensor
-    block_table: torch.Tensor
+    width: int
     lengths: torch.Tensor
     slots: torch.Tensor
     cu_seqlens_q: torch.Tensor
-    shared: bool
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
@@ -187,7 +176,7 @@ class PagedKV:
         out = paged_attention(
             q.reshape(rows * length, heads, head_dim), k.reshape(-1, kv_heads, head_dim),
             v.reshape(-1, kv_heads, head_dim), self.k_blocks, self.v_blocks, self.slots,
-            self.block_table, self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.shared,
+            self.width, self.lengths, self.cu_seqlens_q, head_dim**-0.5,
         )
         return out.view(rows, length, heads, head_dim)
 

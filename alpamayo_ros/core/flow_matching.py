@@ -189,14 +189,14 @@ class ExpertSampler:
         )
         # Least recently used shape first; bounded so a long-running node with varying prompt
         # lengths keeps at most max_shapes states (and graphs) alive.
-        self._runners: OrderedDict[tuple[int, int, int, float | None, int, int], _Runner] = OrderedDict()
+        self._runners: OrderedDict[tuple[int, int, int, float | None, int], _Runner] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.uses_cuda_graphs else None
 
     def _round(self, columns: int, bucket: int) -> int:
         return -(-columns // bucket) * bucket
 
     def capacity_for(self, length: int) -> int:
-        """Own key columns of the state for a prefix of `length` tokens (no shared prompt)."""
+        """Key columns per row of a copying state for a prefix of `length` tokens."""
         return self._round(length + self.expert.config.n_waypoints, self.bucket)
 
     @torch.inference_mode()
@@ -224,9 +224,6 @@ class ExpertSampler:
         paged = cache.paged is not None
         if uncond_cache is not None and (uncond_cache.paged is not None) != paged:
             raise ValueError("uncond_cache: must be paged exactly when cache is (one engine makes both)")
-        if not paged and (uncond_cache is not None or cache.rows == 1):
-            # guided rows ride in one plain batch (see _integrate); one row has nothing to share
-            cache = cache.materialized()
         rows = cache.rows
         caches = [cache] if uncond_cache is None else [cache, uncond_cache]
         if any(c.rows != rows for c in caches):
@@ -236,31 +233,26 @@ class ExpertSampler:
             init_noise=init_noise, device=self.device,
         )
         weight = None if uncond_cache is None else guidance_weight
-        shared = 0
         if paged:
             # blocks per row, for the longest row rounded to the bucket; one state per engine cache
             block_size = cache.paged.block_size
             capacity = -(-self._round(max(c.length for c in caches), self.bucket) // block_size)
-        elif cache.shared_keys is not None:
-            shared = self._round(cache.shared_length, self.bucket)
-            own = cache.length - cache.shared_length + self.expert.config.n_waypoints
-            capacity = self._round(own, min(self.bucket, 64))
         else:
             capacity = self.capacity_for(max(c.length for c in caches))
         storage = cache.paged.key_blocks[0].data_ptr() if paged else 0  # a state reads one engine's blocks
-        key = (capacity, rows, steps, weight, shared, storage)
+        key = (capacity, rows, steps, weight, storage)
         runner = self._runners.get(key)
         fresh = runner is None
         if fresh:
             if paged:
                 state = self.expert.new_paged_state(rows * len(caches), capacity, cache)
             else:
-                state = self.expert.new_state(rows * len(caches), capacity, shared=shared)
+                state = self.expert.new_state(rows * len(caches), capacity)
             runner = _Runner(state=state, x0=torch.zeros_like(x0))
             self._runners[key] = runner
             if len(self._runners) > self.max_shapes:
                 self._runners.popitem(last=False)
-            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, shared, storage)")
+            logger.info(f"expert sampler: new state for {key} (capacity, rows, steps, cfg, storage)")
         else:
             self._runners.move_to_end(key)
         self.expert.load_state(runner.state, caches)

@@ -28,6 +28,7 @@ from .backbone import Backbone, PromptInputs
 from .checkpoint import load_backbone, load_expert, tensor_files
 from .config import AlpamayoConfig
 from .expert import ActionExpertModel
+from .fp8_linear import fp8_kernel
 from .frame_cache import FrameCache, frame_keys
 from .preprocess import PreprocessedImages
 from .prompt import build_prompt_inputs, remove_route_span, render_driving_prompt, render_vqa_prompt
@@ -99,14 +100,20 @@ class Pipeline:
         dtype: str | torch.dtype | None = None,
         backend_options: dict[str, Any] | None = None,
         frame_cache: int = DEFAULT_FRAME_CACHE,
+        expert_quantization: str = "none",
     ) -> Pipeline:
         """Load config, tokenizer, expert and the chosen backbone from a checkpoint directory.
 
         dtype defaults to the checkpoint's model_dtype. backend_options go to the vLLM
         backend's EngineOptions (the HF backend takes none). frame_cache: see __init__.
+        expert_quantization: types.EXPERT_QUANTIZATIONS (FP8 copies of the expert's layer weights).
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        kernel = fp8_kernel(expert_quantization)
+        if kernel is not None and (backend_options or {}).get("tensor_parallel_size", 1) > 1:
+            raise ValueError("expert_quantization: not with tensor_parallel_size > 1 (the expert runs in vLLM's "
+                             "workers there, in full precision)")
         config = AlpamayoConfig.from_checkpoint(path)
         device = torch.device(device)
         dtype = _dtype(dtype or config.model_dtype)
@@ -114,6 +121,8 @@ class Pipeline:
         files = tensor_files(path)
         started = time.perf_counter()
         expert = load_expert(config, dtype=dtype, device=device, files=files)
+        if kernel is not None:
+            expert.quantize_fp8(kernel)
         if backend == "hf":
             if backend_options:
                 raise ValueError(f"backend_options: the hf backend takes none, got {sorted(backend_options)}")

@@ -31,6 +31,9 @@ NUM_WAYPOINTS = 64  # 6.4 s at 10 Hz
 WAYPOINT_DT_S = 0.1
 FRAMES_PER_CAMERA = 4
 FRAME_SPACING_S = 0.1
+#: The action expert's weights: full precision, or FP8 copies with the kernel chosen for the
+#: device or named (core/fp8_linear.py).
+EXPERT_QUANTIZATIONS = ("none", "fp8", "fp8_marlin", "fp8_scaled_mm", "fp8_dequant")
 #: Largest |R^T R - I| entry and |det R - 1| an ego-history rotation may show. Rotations from
 #: interpolated unit quaternions are orthonormal to float32 precision (~1e-6); 1e-3 leaves room
 #: for rounded JSON or single-precision round trips and still refuses a scaled, sheared or
@@ -92,8 +95,9 @@ class DrivingInput:
 
     def with_frame_keys(self, keys: Sequence[str]) -> DrivingInput:
         """This input with its frames' keys (frame_key of each, camera-major then oldest first).
-        images become read-only, so the pixels the keys name cannot change; they must be an array
-        of their own (a view stays writable through its base)."""
+        images become read-only, so the pixels the keys name cannot change: images and every
+        numpy array it is a view of (a view stays writable through its base). Memory that numpy
+        does not own (a torch tensor's, a pinned host buffer) stays the caller's to leave as is."""
         cameras, frames, height, width = self.images.shape[:4]
         if len(keys) != cameras * frames:
             raise ValueError(f"frame_keys: {len(keys)} keys for {cameras * frames} frames")
@@ -103,10 +107,10 @@ class DrivingInput:
                 raise ValueError(f"frame_keys[{slot}]: {key!r} is not a key of camera {camera}'s frame at {stamp} ns "
                                  f"({height}x{width}): expected {frame_key_prefix(camera, stamp, height, width)!r} "
                                  f"+ 32 hex digits")
-        if self.images.base is not None:
-            raise ValueError("images: a view of another array cannot carry frame_keys (its pixels stay writable "
-                             "through the base); pass an array of its own")
-        self.images.flags.writeable = False
+        array = self.images
+        while isinstance(array, np.ndarray):
+            array.flags.writeable = False
+            array = array.base
         keyed = replace(self)
         object.__setattr__(keyed, "frame_keys", tuple(keys))  # frozen, and deliberately no init argument
         return keyed

@@ -60,6 +60,7 @@ class PipelinePlanner:
         self._pipeline = Pipeline.from_checkpoint(
             settings.checkpoint_path, backend=settings.backend, device=settings.device,
             dtype=settings.dtype, backend_options=settings.backend_options,
+            expert_quantization=settings.expert_quantization,
         )  # fmt: skip
 
     def plan(self, driving_input: DrivingInput, sampling: SamplingSettings) -> Plan:

@@ -23,7 +23,14 @@ import uvicorn
 
 from ..core.backbone_vllm import SPECULATION_METHODS
 from ..core.pipeline import BACKENDS, Pipeline
-from ..core.types import FRAME_SPACING_S, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, DrivingInput, SamplingSettings
+from ..core.types import (
+    EXPERT_QUANTIZATIONS,
+    FRAME_SPACING_S,
+    FRAMES_PER_CAMERA,
+    NUM_HISTORY_POSES,
+    DrivingInput,
+    SamplingSettings,
+)
 from .app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ServerOptions, create_app
 from .requests import Limits, RequestError, checked_settings
 from .shm import is_loopback
@@ -57,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=BACKENDS, default="vllm")
     parser.add_argument("--device", default="cuda", help="torch device of the pipeline (cpu for tests)")
     parser.add_argument("--dtype", default=None, help="default: the checkpoint's model_dtype")
+    parser.add_argument("--expert-quantization", default="none", choices=EXPERT_QUANTIZATIONS,
+                        help="the action expert's weights: FP8 copies (fp8: kernel chosen for the GPU; "
+                             "fp8_<kernel>: that one) or full precision")
     parser.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> Pipeline:
         started = time.perf_counter()
         pipeline = Pipeline.from_checkpoint(args.checkpoint, backend=args.backend, device=args.device,
-                                            dtype=args.dtype, backend_options=options)
+                                            dtype=args.dtype, backend_options=options,
+                                            expert_quantization=args.expert_quantization)
         pipeline.plan(warmup_input(), WARMUP_SETTINGS)
         logger.info("ready: %s backend on %s, loaded and warmed up in %.1f s",
                     args.backend, args.device, time.perf_counter() - started)
