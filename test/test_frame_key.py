@@ -65,8 +65,16 @@ def test_bad_keys_are_refused_by_name_and_the_input_is_untouched(make_driving_in
         inputs.with_frame_keys([*keys[:3], None])
     with pytest.raises(ValueError, match=r"frame_keys\[0\]: .*32 hex digits"):
         inputs.with_frame_keys([keys[0][:-1], *keys[1:]])
-    view = dataclasses.replace(inputs, images=inputs.images[:, ::1])
-    with pytest.raises(ValueError, match="images: a view of another array"):
-        view.with_frame_keys(keys)
     assert inputs.images.flags.writeable and inputs.frame_keys is None
     inputs.images[0, 0, 0, 0, 0] ^= 1  # still the caller's, writable
+
+
+def test_a_view_carries_keys_only_with_its_base_frozen_too(make_driving_input) -> None:
+    inputs = make_driving_input(camera_indices=(0, 1), frames=2, height=24, width=40, seed=4)
+    flat = inputs.images.reshape(-1, 24, 40, 3).copy()  # a flat window, as alpamayo-serve builds one
+    view = dataclasses.replace(inputs, images=flat.reshape(2, 2, 24, 40, 3))
+    keyed = view.with_frame_keys(frame_keys(view))
+    for array in (keyed.images, flat):  # neither the view nor the window under it can change the pixels
+        with pytest.raises(ValueError, match="read-only"):
+            array[0, 0, 0] ^= 1
+    assert frame_keys(keyed) == list(keyed.frame_keys) == frame_keys(inputs)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from serve_helpers import hf_server, plan_segments, small_frames_checkpoint
 
+from alpamayo_ros.core.frame_key import KeyedFrame, keyed_frame
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.preprocess import VisionGeometry, smart_resize
 from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
@@ -278,16 +279,20 @@ def test_a_server_without_shm_gets_resized_frames(
 
 def test_frame_store_bounds_count_and_bytes() -> None:
     store = FrameStore(max_frames=3, max_bytes=3 * 100)
-    frame = np.zeros((10, 10, 1), dtype=np.uint8)  # 100 bytes
+
+    def frame(stamp: int, height: int = 10, channels: int = 1) -> KeyedFrame:
+        return keyed_frame(0, stamp, np.full((height, 10, channels), stamp, dtype=np.uint8))  # 100 bytes by default
+
     keys = [FrameKey("s", 0, stamp, 10, 10) for stamp in range(5)]
-    store.put({key: frame for key in keys[:3]})
+    store.put({key: frame(key.stamp_ns) for key in keys[:3]})
     store.take([keys[0]])  # keys[0] becomes the most recent
-    store.put({keys[3]: frame})
+    store.put({keys[3]: frame(3)})
     found, missing = store.take(keys[:4])
     assert set(found) == {keys[0], keys[2], keys[3]} and missing == [keys[1]]
-    store.put({keys[4]: np.zeros((10, 10, 2), dtype=np.uint8)})  # 200 bytes: two older frames go
+    assert found[keys[2]].key == frame(2).key  # held with the key of its own pixels
+    store.put({keys[4]: frame(4, channels=2)})  # 200 bytes: two older frames go
     assert len(store) == 2 and store.nbytes == 300
-    store.put({keys[0]: np.zeros((40, 10, 1), dtype=np.uint8)})  # over max_bytes alone: not kept
+    store.put({keys[0]: frame(0, height=40)})  # over max_bytes alone: not kept
     assert store.nbytes <= 300 and store.take([keys[0]])[1] == [keys[0]]
     with pytest.raises(ValueError, match="max_frames"):
         FrameStore(max_frames=-1, max_bytes=0)

@@ -5,6 +5,7 @@ Pipeline.plan; shared-memory copies on several threads give the bytes of one thr
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -96,19 +97,36 @@ def test_shm_frames_reach_the_plan_resized_once(make_driving_input: Callable[...
             where = wire.ShmFrames(name=segment.write([flat[slot] for slot in slots]), offset=0, dtype="uint8",
                                    shape=[len(slots), *flat.shape[1:]])
             body = wire.encode_request(inputs, SETTINGS, session="once", sent_slots=slots, shm=(where, size))
-            planned, _, pending = parse_plan_request(body, Limits(), store, cache, allow_shm=True)
-            pending.resize_into(cache, store)
+            parsed, _, pending = parse_plan_request(body, Limits(), store, cache, allow_shm=True)
+            assert parsed.frame_keys is None  # its new frames' pixels are not in the window yet
+            planned = pending.resize_into(cache, store, parsed)
             misses = cache.misses
             window = cache.preprocess(planned.images.reshape(-1, *size, 3), frame_keys(planned)).frames
             assert cache.misses == misses  # the plan resized nothing
             expected = F.interpolate(torch.from_numpy(flat).permute(0, 3, 1, 2).contiguous(), size=size,
                                      mode="bicubic", align_corners=False, antialias=True)
             assert torch.equal(window, expected)
+            # the keys it carries are the hashes of its pixels: the plan hashes nothing, and is not misled
+            assert list(planned.frame_keys) == frame_keys(dataclasses.replace(planned, images=planned.images.copy()))
             held, missing = store.take(pending.keys)
-            assert not missing and all(np.array_equal(held[key], planned.images.reshape(-1, *size, 3)[slot])
+            assert not missing and all(np.array_equal(held[key].image, planned.images.reshape(-1, *size, 3)[slot])
                                        for key, slot in zip(pending.keys, pending.slots))
     finally:
         segment.close()
+
+
+def test_an_inline_delta_carries_the_keys_of_its_pixels(make_driving_input: Callable[..., DrivingInput]) -> None:
+    """Inline deltas: the frame store holds each frame with its key, so the parsed window carries
+    every frame's key (the plan hashes none) and they are the hashes of its pixels."""
+    geometry = VisionGeometry(min_pixels=128 * 192, max_pixels=128 * 192)  # the stream's frames are resized already
+    cache = FrameCache(geometry, compute_device=CPU, store_device=CPU, capacity=0)
+    store = FrameStore(64, 2**28)
+    for index, inputs in enumerate(stream(make_driving_input, 3, seed=9)):
+        slots = list(range(6)) if index == 0 else [2, 5]
+        body = wire.encode_request(inputs, SETTINGS, session="inline", sent_slots=slots)
+        planned, _, pending = parse_plan_request(body, Limits(), store, cache, allow_shm=False)
+        assert pending is None and not planned.images.flags.writeable
+        assert list(planned.frame_keys) == frame_keys(inputs)  # inputs is writable: hashed afresh here
 
 
 @pytest.fixture(scope="module")

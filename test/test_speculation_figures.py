@@ -17,9 +17,9 @@ from typing import Callable
 import httpx
 import numpy as np
 import pytest
-from serve_helpers import small_frames_checkpoint
+from serve_helpers import png_data_url, small_frames_checkpoint
 
-from alpamayo_ros.core.types import DrivingInput, Plan, SamplingSettings
+from alpamayo_ros.core.types import CAMERAS, DrivingInput, Plan, SamplingSettings
 from alpamayo_ros.eval.evaluate import BagResult, drive_settings, evaluate_bag
 from alpamayo_ros.eval.report import ReportOptions, write_report
 from alpamayo_ros.serve import wire
@@ -137,7 +137,8 @@ def test_real_counts_flow_from_a_speculating_server_to_every_figure(
     tiny_checkpoint: Path, tmp_path: Path, make_driving_input: Callable[..., DrivingInput]
 ) -> None:
     """The same window planned twice drafts the second plan from the first (greedy: every draft
-    accepted); a replayed bag through the evaluator on the same server reports what it served.
+    accepted), on the binary route and on the NIM route; a replayed bag through the evaluator on
+    the same server reports what it served, and the counters sum all of it.
     (The node's message takes the same Plan fields: test_stage_timings_carry_the_plans_counts.)"""
     from alpamayo_ros.drive.planner import make_planner
 
@@ -150,6 +151,16 @@ def test_real_counts_flow_from_a_speculating_server_to_every_figure(
         inputs = make_driving_input(camera_indices=(1, 6), frames=2, height=64, width=96)
         first, again = client.plan(inputs, GREEDY), client.plan(inputs, GREEDY)
         client.close()
+        nim_body = {"images": [png_data_url(image) for row in inputs.images for image in row],
+                    "camera_order": [CAMERAS[index][0] for index in inputs.camera_indices], "num_frames_per_camera": 2,
+                    "egomotion": [[*map(float, p), *map(float, r.reshape(-1))]
+                                  for p, r in zip(inputs.ego_history_xyz, inputs.ego_history_rot)],
+                    "max_tokens": GREEDY.max_reasoning_tokens, "top_k": 1}  # fmt: skip
+        nim = []
+        for _ in range(2):  # the NIM route reports the counts too; the same request again: every draft right
+            response = httpx.post(server.url + "/v1/infer", json=nim_body, timeout=300)
+            assert response.status_code == 200, response.text
+            nim.append(response.json())
         bag = write_circle_bag(tmp_path / "circle")
         settings = drive_settings(_params(
             tmp_path / "remote.yaml", **{"model.backend": "remote", "model.checkpoint_path": "", "remote.url": server.url,
@@ -163,10 +174,14 @@ def test_real_counts_flow_from_a_speculating_server_to_every_figure(
         server.stop()
     assert again.generated_ids == first.generated_ids
     assert again.accepted_tokens == again.drafted_tokens > 0  # the same window again: all drafts right
+    assert nim[1]["accepted_tokens"] == nim[1]["drafted_tokens"] > 0
+    assert nim[1]["trajectories"][0]["reasoning"] == nim[0]["trajectories"][0]["reasoning"]
     served = [first, again] + [t.plan for t in result.scored]
     assert len(result.scored) >= 3
-    assert _counter(scraped, "alpamayo_speculation_drafted_tokens_total") == sum(p.drafted_tokens for p in served)
-    assert _counter(scraped, "alpamayo_speculation_accepted_tokens_total") == sum(p.accepted_tokens for p in served)
+    drafted = sum(p.drafted_tokens for p in served) + sum(reply["drafted_tokens"] for reply in nim)
+    accepted = sum(p.accepted_tokens for p in served) + sum(reply["accepted_tokens"] for reply in nim)
+    assert _counter(scraped, "alpamayo_speculation_drafted_tokens_total") == drafted
+    assert _counter(scraped, "alpamayo_speculation_accepted_tokens_total") == accepted
     doc = write_report(tmp_path / "report", [result], settings, ReportOptions(bev_plots=0))
     scored = [t.plan for t in result.scored]
     assert doc["speculation"]["drafted_tokens"] == sum(p.drafted_tokens for p in scored)

@@ -251,11 +251,11 @@ def create_app(worker: PipelineWorker, options: ServerOptions) -> FastAPI:
 
         def job(pipeline: Any) -> bytes:
             dequeued = time.perf_counter()
-            resize_ms = 0.0
+            resize_ms, keyed = 0.0, inputs
             if capture_size is not None:  # on the pipeline's thread and device, as in-process planning resizes
-                capture_size.resize_into(pipeline.frames, store)
+                keyed = capture_size.resize_into(pipeline.frames, store, inputs)
                 resize_ms = (time.perf_counter() - dequeued) * 1e3
-            plan = pipeline.plan(inputs, settings)
+            plan = pipeline.plan(keyed, settings)
             metrics.count_plan(plan)
             # serve.shm_read and serve.parse_wait (the hop to and from the parsing thread) are parts of serve.parse
             parsed_ms = (queued - started) * 1e3

@@ -267,12 +267,13 @@ def register(app: FastAPI, *, run: Callable[[Callable[[Any], Any]], Awaitable[An
         inputs, names, frames, settings = await run_in_threadpool(parse)
 
         def job(pipeline: Any) -> InferResponse:
-            result: dict[str, Any] = {"trajectories": None, "answer": None}
+            result: dict[str, Any] = {"trajectories": None, "answer": None, "drafted_tokens": 0, "accepted_tokens": 0}
             prompt, generated, timings = 0, [], {}
             if trajectory:
                 plan = pipeline.plan(inputs, settings)
                 count_plan(plan)
                 result["trajectories"] = trajectories(plan)
+                result["drafted_tokens"], result["accepted_tokens"] = plan.drafted_tokens, plan.accepted_tokens
                 prompt, generated, timings = chat.prompt_tokens(pipeline, inputs), plan.generated_ids, plan.timings_ms
             if answering:
                 question = body.question.strip()

@@ -121,3 +121,5 @@ class InferResponse(BaseModel):
     usage: Usage
     warnings: list[str] = Field(default_factory=list)
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    drafted_tokens: int = Field(0, description="speculative reasoning, all samples: draft tokens verified (0: off)")
+    accepted_tokens: int = Field(0, description="speculative reasoning: draft tokens accepted")

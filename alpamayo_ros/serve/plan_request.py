@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..core.frame_cache import FrameCache, frame_key
+from ..core.frame_cache import FrameCache
+from ..core.frame_key import keyed_frame
 from ..core.preprocess import VisionGeometry, smart_resize
 from ..core.types import DrivingInput, SamplingSettings
 from . import wire
@@ -35,6 +36,7 @@ class CaptureSizeFrames:
     slots: their slots in the window; keys: their frame-store keys (camera, stamp, size).
     window: uint8 (cameras * frames, h, w, 3), the request's DrivingInput.images (flat): its
         slots hold the referenced frames, and these frames once resize_into() ran.
+    held: the frame key of each window slot held before (None at this delta's slots).
     read_ms: how long copying them out of the segment took.
     """
 
@@ -42,28 +44,35 @@ class CaptureSizeFrames:
     slots: list[int]
     keys: list[FrameKey]
     window: np.ndarray
+    held: list[str | None]
     read_ms: float
 
-    def resize_into(self, cache: FrameCache, store: FrameStore) -> None:
-        """Resize on the cache's device (as the pipeline resizes), copy the result straight into
-        the window's slots (from a GPU: one transpose there, then into the pinned window), store
-        them, and hand them to the cache under the keys the pipeline will give them: the plan
-        then resizes nothing again (no second upload, transpose and download of these frames)."""
+    def resize_into(self, cache: FrameCache, store: FrameStore, inputs: DrivingInput) -> DrivingInput:
+        """inputs (whose images are the window) with these frames resized into their slots and
+        every frame's key. Resized on the cache's device (as the pipeline resizes), copied
+        straight into the window's slots (from a GPU: one transpose there, then into the pinned
+        window), stored keyed, and handed to the cache under those keys: the plan then resizes and
+        hashes nothing again (no second upload, transpose and download of these frames)."""
         resized = cache.resize(self.frames)  # (n, 3, h, w) on the cache's compute device
         window = torch.from_numpy(self.window)
         for row, slot in enumerate(self.slots):
             window[slot].copy_(resized[row].permute(1, 2, 0))
-        store.put({key: self.window[slot] for key, slot in zip(self.keys, self.slots)})
-        planned_as = [frame_key(key.camera, key.stamp_ns, self.window[slot]) for key, slot in zip(self.keys, self.slots)]
-        cache.remember(planned_as, resized)
+        keyed = {key: keyed_frame(key.camera, key.stamp_ns, self.window[slot]) for key, slot in zip(self.keys, self.slots)}
+        store.put(keyed)
+        cache.remember([frame.key for frame in keyed.values()], resized)
+        keys = list(self.held)
+        for key, slot in zip(self.keys, self.slots):
+            keys[slot] = keyed[key].key
+        return inputs.with_frame_keys(keys)
 
 
 def parse_plan_request(
     body: bytes, limits: Limits, store: FrameStore, frames: FrameCache, allow_shm: bool
 ) -> tuple[DrivingInput, SamplingSettings, CaptureSizeFrames | None]:
     """Decode and validate a binary plan request for the pipeline whose frame cache is frames.
-    Inline delta frames are stored here; frames from shared memory come back to be resized on the
-    pipeline's device (None when there are none)."""
+    Inline delta frames are stored here, and a delta's input carries its frames' keys; frames
+    from shared memory come back to be resized on the pipeline's device (None when there are
+    none), and their resize_into() gives the keyed input."""
     try:
         request = wire.decode_request(body)
         arrays = {
@@ -77,7 +86,8 @@ def parse_plan_request(
         raise RequestError(failure.field, str(failure).split(": ", 1)[-1]) from failure
     settings = checked_settings(SamplingSettings(**{name: getattr(request.settings, name)
                                                     for name in wire.Settings.__struct_fields__}), limits)
-    new: dict[FrameKey, np.ndarray] = {}
+    held: list[str | None] = []
+    sent_keys: dict[int, FrameKey] = {}
     pending = None
     if request.session is None:
         if images is None:
@@ -87,21 +97,29 @@ def parse_plan_request(
     elif images is not None:
         raise RequestError("images", "a delta request (with a session) carries its frames in sent or shm, not images")
     else:
-        images, new, pending = _delta_window(request, sent, arrays["frame_stamps_ns"], limits, store, frames, allow_shm)
+        images, held, sent_keys, pending = _delta_window(request, sent, arrays["frame_stamps_ns"], limits, store,
+                                                         frames, allow_shm)
     inputs = driving_input(images=images, camera_indices=tuple(request.camera_indices), t0_ns=request.t0_ns,
                            route_text=request.route_text, limits=limits, **arrays)
-    store.put(new)
+    if request.session is not None and pending is None:  # keyed only once the whole request is valid
+        window = images.reshape(-1, *images.shape[2:])
+        new = {key: keyed_frame(key.camera, key.stamp_ns, window[slot]) for slot, key in sent_keys.items()}
+        for slot, key in sent_keys.items():
+            held[slot] = new[key].key
+        store.put(new)
+        inputs = inputs.with_frame_keys(held)
     return inputs, settings, pending
 
 
 def _delta_window(
     request: wire.PlanRequest, sent: np.ndarray | None, stamps: np.ndarray, limits: Limits, store: FrameStore,
     frames: FrameCache, allow_shm: bool,
-) -> tuple[np.ndarray, dict[FrameKey, np.ndarray], CaptureSizeFrames | None]:
+) -> tuple[np.ndarray, list[str | None], dict[int, FrameKey], CaptureSizeFrames | None]:
     """The (cameras, frames, h, w, 3) window of a delta request: every referenced slot from the
-    store (409 naming what is missing), the sent frames in theirs, and those frames by key; or,
-    for frames in shared memory, their slots still empty and the frames to resize into them.
-    Both the shared-memory frames and the window land in the frame cache's host buffers."""
+    store (409 naming what is missing) and the sent frames in theirs; the frame key of each
+    referenced slot (None at the sent ones); the sent slots' store keys. For frames in shared
+    memory, their slots stay empty, with the frames to resize into them. Both the shared-memory
+    frames and the window land in the frame cache's host buffers."""
     geometry = frames.geometry
     session = request.session or ""
     if not _SESSION.fullmatch(session):
@@ -148,16 +166,18 @@ def _delta_window(
         named = ", ".join(f"camera {key.camera} stamp {key.stamp_ns}" for key in missing[:8])
         raise RequestError("sent_slots", f"{len(missing)} referenced frames are not held for this session ({named}); "
                            "send them in sent", 409, "frames_missing")
+    held: list[str | None] = [None] * (cameras * count)
     for slot in referenced:
-        window[slot] = found[keys[slot]]
+        window[slot] = found[keys[slot]].image
+        held[slot] = found[keys[slot]].key
     framed = window.reshape(cameras, count, height, width, 3)
     if sent is not None:
         window[slots] = sent
-        return framed, {keys[slot]: window[slot] for slot in slots}, None
+        return framed, held, {slot: keys[slot] for slot in slots}, None
     pending = None
     if slots:
-        pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window, read_ms)
-    return framed, {}, pending
+        pending = CaptureSizeFrames(captured, slots, [keys[slot] for slot in slots], window, held, read_ms)
+    return framed, held, {}, pending
 
 
 def _checked_shm(shm: wire.ShmFrames, frame_size: tuple[int, int], geometry: VisionGeometry, limits: Limits,
