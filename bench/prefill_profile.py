@@ -24,6 +24,10 @@ One pipeline (bench_pipeline's workload and engine settings), warmed up, then:
 
     python -m bench.prefill_profile --full-size-dir /tmp/ckpt --json-dir $OUT   # on the H200
     python -m bench.prefill_profile --smoke --json-dir /tmp/profile             # vLLM on the CPU
+
+Over 400 lines: one instrument whose four parts share one warmed-up pipeline, the kernel
+attribution rules and the report; apart, each would rebuild the pipeline (a vLLM load) and
+repeat the attribution.
 """
 
 from __future__ import annotations

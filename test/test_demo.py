@@ -23,10 +23,10 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 TIMING_KEYS = {"timings_ms", "latency_ms", "drive_wall_s"}  # wall-clock measurements, not results
 
 
-def run_demo(out: Path) -> str:
+def run_demo(out: Path, *params: str) -> str:
     run = subprocess.run(
         [str(VENV_BIN / "alpamayo-demo"), "--out", str(out), "--duration", "11", "--cameras", "1",
-         "--rate", "0.5", "--max-reasoning-tokens", "4"],
+         "--rate", "0.5", "--max-reasoning-tokens", "4", *(f"--param={p}" for p in params)],
         env=ros_env(unique_domain_id()), capture_output=True, text=True, timeout=1500)  # hang guard only
     log = run.stdout + run.stderr
     assert run.returncode == 0, log + (out / "node.log").read_text(errors="replace")
@@ -123,3 +123,25 @@ def test_same_seed_gives_the_same_report(demo):
     second = json.loads((out / "report.json").read_text())
     assert second["demo"]["lockstep"] and second["demo"]["plans_followed"] >= 2
     assert without_timings(second) == without_timings(first)
+
+
+def test_the_demo_drives_on_vllm_with_speculative_reasoning(tmp_path):
+    """The same demo with the vLLM backend drafting from earlier plans: the node's plans carry
+    speculation counts and the evaluator, speculating the same way, re-plans them."""
+    out = tmp_path / "spec"
+    run_demo(out, "model.backend:=vllm", "model.dtype:=float32", "vllm.kv_cache_gib:=1.0", "vllm.enforce_eager:=true",
+             "vllm.speculation.method:=plans", "vllm.speculation.draft_tokens:=2", "sampling.temperature:=0.0")
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["backend"] == "vllm" and doc["demo"]["plans_followed"] >= 2
+    assert doc["replan_compared"] >= 1 and doc["replan_max_difference_m"] < 1e-3
+    timings = [m.msg for m in read_messages(out / "session", topics=["/alpamayo_drive/output/timings"])]
+    assert sum(t.drafted_tokens for t in timings) > 0  # the node's plans drafted from earlier ones
+    assert doc["speculation"]["drafted_tokens"] > 0  # and so did the evaluator's
+
+
+def test_the_demo_refuses_an_unknown_parameter_naming_it(tmp_path):
+    run = subprocess.run([str(VENV_BIN / "alpamayo-demo"), "--out", str(tmp_path), "-p", "model.backnd:=vllm"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "unknown parameter 'model.backnd'; did you mean 'model.backend'?" in run.stderr
+    assert not (tmp_path / "session").exists()  # refused before anything ran

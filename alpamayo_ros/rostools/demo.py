@@ -14,6 +14,7 @@ path and checks that it reproduces the node's plans.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import shutil
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import rclpy
+import yaml
 from rclpy.executors import ExternalShutdownException
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics
@@ -31,7 +33,7 @@ from alpamayo_ros.rostools.processes import start_console_script, stop_process
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, default_rig
-from alpamayo_ros.settings import write_params_file
+from alpamayo_ros.settings import SPECS, write_params_file
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,22 @@ def node_parameters(opts: DemoOptions, rig: Sequence[PinholeCamera], checkpoint:
         **(LOCKSTEP_QOS if opts.lockstep else {}),
         **opts.extra_params,
     }
+
+
+def parse_param_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`NAME:=VALUE` items as {name: value}; an unknown name or a missing `:=` is refused, naming it.
+    The values are checked with every other parameter when the node and the evaluator read them."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition(":=")
+        if not sep or not name:
+            raise ValueError(f"--param {item!r}: expected NAME:=VALUE")
+        if name not in SPECS:
+            close = difflib.get_close_matches(name, SPECS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "alpamayo_drive --help lists them"
+            raise ValueError(f"--param {item!r}: unknown parameter {name!r}; {hint}")
+        overrides[name] = yaml.safe_load(text) if text else ""
+    return overrides
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
@@ -149,9 +167,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="model.device of the node (cuda for real weights on a GPU)")
     parser.add_argument("--no-lockstep", action="store_true",
                         help="let simulated time run while the node plans (closer to a live car, not repeatable)")
+    parser.add_argument("-p", "--param", action="append", default=[], metavar="NAME:=VALUE",
+                        help="a node parameter (alpamayo_drive --help lists them), e.g. -p model.backend:=vllm; "
+                             "the value is read as YAML, as ROS reads -p; repeat for more")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     extra = {"model.device": args.device} if args.device != "cpu" else {}
+    try:
+        extra.update(parse_param_overrides(args.param))
+    except ValueError as error:
+        parser.error(str(error))
     opts = DemoOptions(out=args.out, checkpoint=args.checkpoint, duration_s=args.duration, rate_hz=args.rate,
                        max_reasoning_tokens=args.max_reasoning_tokens, cameras=args.cameras, extra_params=extra,
                        lockstep=not args.no_lockstep)
