@@ -101,14 +101,16 @@ def test_fp8_copies_leave_the_checkpoint_layout_and_ignore_dtype_casts() -> None
 def test_kernel_choices_are_named_and_refused_where_they_cannot_run() -> None:
     cpu = torch.device("cpu")
     assert pick_kernel("auto", cpu) == "dequant" == pick_kernel("dequant", cpu)
-    for kernel, reason in (("marlin", "Marlin runs on CUDA devices"), ("scaled_mm", "FP8 on CUDA devices")):
+    for kernel, reason in (("marlin", "Marlin runs on CUDA devices"), ("scaled_mm", "FP8 on CUDA devices"),
+                           ("cutlass", "cutlass_scaled_mm runs FP8 on CUDA devices")):
         with pytest.raises(ValueError, match=f"kernel: {kernel} cannot run here: .*{reason}"):
             pick_kernel(kernel, cpu)
     with pytest.raises(ValueError, match="kernel: expected one of"):
         pick_kernel("fp4", cpu)
     with pytest.raises(RuntimeError, match="dequantized: this expert has no FP8 copies"):
         tiny_expert().dequantized()
-    assert [fp8_kernel(choice) for choice in EXPERT_QUANTIZATIONS] == [None, "auto", "marlin", "scaled_mm", "dequant"]
+    assert [fp8_kernel(choice) for choice in EXPERT_QUANTIZATIONS] == [
+        None, "auto", "cutlass", "marlin", "scaled_mm", "dequant"]
     with pytest.raises(ValueError, match="expert_quantization: expected one of"):
         fp8_kernel("int8")
     with pytest.raises(ValueError, match="expert.layers.0.mlp.down_proj: expected a 2D floating weight"):
@@ -154,3 +156,12 @@ def test_the_parameter_reaches_the_settings_and_bad_uses_name_it() -> None:
     ):  # fmt: skip
         with pytest.raises(ParameterError, match=f"^parameter 'model.expert_quantization'.*{needle}"):
             parse_settings(_values(**overrides), check_paths=False)
+
+
+def test_the_vllm_kernels_say_why_they_cannot_run_here() -> None:
+    """The adapter's own checks (what pick_kernel reports on a GPU machine), on this vLLM build."""
+    from alpamayo_ros.core.vllm_adapter.fp8_kernels import cutlass_unavailable, marlin_unavailable
+
+    cpu = torch.device("cpu")
+    assert cutlass_unavailable(cpu) == "cutlass_scaled_mm FP8 runs on CUDA devices, not cpu"
+    assert marlin_unavailable(cpu) == "Marlin runs on CUDA devices, not cpu"

