@@ -101,8 +101,8 @@ def test_fp8_copies_leave_the_checkpoint_layout_and_ignore_dtype_casts() -> None
 def test_kernel_choices_are_named_and_refused_where_they_cannot_run() -> None:
     cpu = torch.device("cpu")
     assert pick_kernel("auto", cpu) == "dequant" == pick_kernel("dequant", cpu)
-    for kernel, reason in (("marlin", "Marlin runs on CUDA devices"), ("scaled_mm", "FP8 on CUDA devices"),
-                           ("cutlass", "cutlass_scaled_mm runs FP8 on CUDA devices")):
+    for kernel, reason in (("marlin", "vLLM's marlin kernel runs on CUDA devices"), ("scaled_mm", "FP8 on CUDA devices"),
+                           ("cutlass", "vLLM's cutlass kernel runs on CUDA devices")):
         with pytest.raises(ValueError, match=f"kernel: {kernel} cannot run here: .*{reason}"):
             pick_kernel(kernel, cpu)
     with pytest.raises(ValueError, match="kernel: expected one of"):

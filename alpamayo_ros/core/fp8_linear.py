@@ -62,32 +62,27 @@ def pick_kernel(kernel: str, device: torch.device) -> str:
     if kernel == "auto":
         if _scaled_mm_unavailable(device) is None:
             return "scaled_mm"
-        return "marlin" if _marlin_unavailable(device) is None else "dequant"
-    checks = {"cutlass": _cutlass_unavailable, "marlin": _marlin_unavailable, "scaled_mm": _scaled_mm_unavailable}
-    reason = checks[kernel](device) if kernel in checks else None
+        return "marlin" if _vllm_kernel_unavailable("marlin", device) is None else "dequant"
+    if kernel in ("marlin", "cutlass"):
+        reason = _vllm_kernel_unavailable(kernel, device)
+    else:
+        reason = _scaled_mm_unavailable(device) if kernel == "scaled_mm" else None
     if reason is not None:
         raise ValueError(f"kernel: {kernel} cannot run here: {reason}")
     return kernel
 
 
-def _marlin_unavailable(device: torch.device) -> str | None:
-    if device.type != "cuda":  # vLLM is not imported for a CPU expert
-        return f"Marlin runs on CUDA devices, not {device.type}"
+def _vllm_kernel_unavailable(kernel: str, device: torch.device) -> str | None:
+    """Why vLLM's `kernel` ("marlin" or "cutlass") cannot run on device (None: it can); vLLM is
+    not imported for a CPU expert."""
+    if device.type != "cuda":
+        return f"vLLM's {kernel} kernel runs on CUDA devices, not {device.type}"
     try:
-        from .vllm_adapter.fp8_kernels import marlin_unavailable
+        from .vllm_adapter import fp8_kernels
     except ImportError as error:
         return f"vLLM is not installed ({error})"
-    return marlin_unavailable(device)
-
-
-def _cutlass_unavailable(device: torch.device) -> str | None:
-    if device.type != "cuda":  # vLLM is not imported for a CPU expert
-        return f"cutlass_scaled_mm runs FP8 on CUDA devices, not {device.type}"
-    try:
-        from .vllm_adapter.fp8_kernels import cutlass_unavailable
-    except ImportError as error:
-        return f"vLLM is not installed ({error})"
-    return cutlass_unavailable(device)
+    check = fp8_kernels.marlin_unavailable if kernel == "marlin" else fp8_kernels.cutlass_unavailable
+    return check(device)
 
 
 def _scaled_mm_unavailable(device: torch.device) -> str | None:
