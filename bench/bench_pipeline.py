@@ -325,6 +325,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
             free, total = torch.cuda.mem_get_info()
             measured["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             measured["gpu_in_use_gib"] = (total - free) / 2**30
+            measured["expert_memory"] = pipeline.expert_sampler.memory_gib()
         results["backends"][backend] = measured
         pipeline.close()
         del pipeline
@@ -529,6 +530,10 @@ def print_report(results: dict) -> None:
             if isinstance(v, (int, float)) and k != "runs"
         )
         lines.append(f"- {backend}: runs={info['runs']}, generated tokens={info['generated_tokens']}, {extra}")
+        if "expert_memory" in info:
+            memory = info["expert_memory"]
+            lines.append(f"  expert sampler: {memory['shapes']} shapes, static states {memory['states_gib']:.3f} GiB, "
+                         f"graph pool {memory['graphs_gib']:.3f} GiB")
     print("\n".join(lines))
     sys.stdout.flush()
 

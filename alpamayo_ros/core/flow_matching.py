@@ -137,6 +137,8 @@ class _Runner:
     x0: torch.Tensor  # (N, 64, 2) fp32, copied in before each run
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None  # what the graph writes
+    state_bytes: int = 0  # GPU memory its state allocated
+    graph_bytes: int = 0  # GPU memory its capture added to the graphs' shared pool
 
 
 class ExpertSampler:
@@ -244,11 +246,12 @@ class ExpertSampler:
         runner = self._runners.get(key)
         fresh = runner is None
         if fresh:
+            before = self._allocated()
             if paged:
                 state = self.expert.new_paged_state(rows * len(caches), capacity, cache)
             else:
                 state = self.expert.new_state(rows * len(caches), capacity)
-            runner = _Runner(state=state, x0=torch.zeros_like(x0))
+            runner = _Runner(state=state, x0=torch.zeros_like(x0), state_bytes=self._allocated() - before)
             self._runners[key] = runner
             if len(self._runners) > self.max_shapes:
                 self._runners.popitem(last=False)
@@ -289,6 +292,24 @@ class ExpertSampler:
             self._integrate(runner.state, runner.x0, steps, weight)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph, pool=self._pool):
             runner.output = self._integrate(runner.state, runner.x0, steps, weight)
         runner.graph = graph
+        runner.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        logger.info(
+            f"expert sampler: state {runner.state_bytes / 2**30:.3f} GiB, graph pool +{runner.graph_bytes / 2**30:.3f} GiB"
+        )
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def memory_gib(self) -> dict[str, float]:
+        """GPU memory the kept shapes hold: their static states, and what capturing their
+        graphs added to the pool they share (GiB; zeros on the CPU)."""
+        runners = self._runners.values()
+        return {
+            "shapes": len(runners),
+            "states_gib": sum(r.state_bytes for r in runners) / 2**30,
+            "graphs_gib": sum(r.graph_bytes for r in runners) / 2**30,
+        }
