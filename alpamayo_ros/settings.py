@@ -14,12 +14,13 @@ place a parameter is read from.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -469,6 +470,32 @@ def check_value(name: str, value: Any) -> None:
         raise ParameterError(name, f"{value} is above the maximum {spec.maximum}")
     if spec.choices and value not in spec.choices:
         raise ParameterError(name, f"{value!r} is not one of {', '.join(spec.choices)}")
+
+
+def parse_param_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`-p NAME:=VALUE` items (ROS's form; `NAME=VALUE` too) as {name: value}, values read as YAML.
+
+    One parser for every command line that takes the node's parameters, so a misspelled name is
+    refused there, naming the closest known one, instead of being dropped. The name ends at the
+    first '=', so a value may itself hold '=' or ':='. Values are checked later, with every other
+    parameter, by parse_settings.
+    """
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.removesuffix(":")
+        if not sep or not name:
+            raise ValueError(f"--param {item!r}: expected NAME:=VALUE")
+        if name not in SPECS:
+            close = difflib.get_close_matches(name, SPECS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "alpamayo_drive --help lists them"
+            raise ValueError(f"--param {item!r}: unknown parameter {name!r}; {hint}")
+        try:
+            # an empty value is an empty string: YAML's null would read as "not given"
+            overrides[name] = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as error:
+            raise ValueError(f"--param {item!r}: the value is not valid YAML") from error
+    return overrides
 
 
 def _ns(seconds: float) -> int:

@@ -457,11 +457,19 @@ def test_sim_demo_reports_a_closed_loop(tiny_checkpoint: Path, tmp_path: Path) -
     assert "time off the lane" in (out / "report.md").read_text()
 
 
+def test_param_overrides_reach_the_settings_in_either_form(tiny_checkpoint: Path) -> None:
+    args = build_parser().parse_args(["--checkpoint", str(tiny_checkpoint), "-p", "sampling.num_samples:=4",
+                                      "--param", "sampling.selection=medoid", "-p", "model.id:=run=1"])  # fmt: skip
+    settings = egodriver_settings(args, parse_camera_map(args.camera))
+    assert settings.sampling.num_samples == 4 and settings.selection == "medoid" and settings.model_id == "run=1"
+
+
 @pytest.mark.parametrize(("args", "named"), [
     (["--camera", "camera_front_wide_120fov"], "--camera"),
     (["--camera", "camera_front_wide_120fov=9"], "cameras.indices"),
     (["-p", "sampling.selection=all"], "sampling.selection"),
     (["-p", "model.backend=remote"], "model.backend"),
+    (["-p", "sampling.selecton:=first"], "unknown parameter 'sampling.selecton'; did you mean 'sampling.selection'?"),
 ])  # fmt: skip
 def test_bad_settings_stop_the_service_naming_them(tiny_checkpoint: Path, args: list[str], named: str) -> None:
     import subprocess

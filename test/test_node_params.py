@@ -22,7 +22,7 @@ from alpamayo_ros.testing.rig import (
     write_params_file,
 )
 
-from alpamayo_ros.settings import SPECS, ParameterError, parse_settings
+from alpamayo_ros.settings import SPECS, ParameterError, parse_param_overrides, parse_settings
 
 CAMERAS = {
     "cameras.topics": ["/a", "/b", "/c"],
@@ -191,6 +191,32 @@ def test_failed_model_load_exits_1_naming_the_cause(tmp_path: Path, tiny_checkpo
     assert code == 1, log
     assert needle in log and "exiting with code 1" in log, log
     assert "Traceback" not in log
+
+
+def test_param_overrides_take_both_separators_and_keep_equals_in_values(tmp_path: Path) -> None:
+    overrides = parse_param_overrides(["model.backend:=vllm", "sampling.num_samples=4", "cameras.indices:=[0, 1, 6]",
+                                       "remote.url:=http://host:8000/?a=b", "model.id=run:=1", "vllm.quantization:="])
+    assert overrides == {"model.backend": "vllm", "sampling.num_samples": 4, "cameras.indices": [0, 1, 6],
+                         "remote.url": "http://host:8000/?a=b", "model.id": "run:=1", "vllm.quantization": ""}
+    settings = parse_settings({**defaults(tmp_path), **overrides})  # the values are the types the table declares
+    assert settings.backend == "vllm" and settings.sampling.num_samples == 4 and settings.model_id == "run:=1"
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("planning.rat_hz:=5", "unknown parameter 'planning.rat_hz'; did you mean 'planning.rate_hz'?"),
+        ("sampling.selecton=first", "unknown parameter 'sampling.selecton'; did you mean 'sampling.selection'?"),
+        ("use_sim_time:=true", "unknown parameter 'use_sim_time'; alpamayo_drive --help lists them"),
+        ("sampling.seed", "expected NAME:=VALUE"),
+        (":=3", "expected NAME:=VALUE"),
+        ("cameras.indices:=[0, 1", "the value is not valid YAML"),
+    ],
+)
+def test_bad_param_overrides_are_refused_naming_them(item: str, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        parse_param_overrides(["model.backend:=vllm", item])
+    assert str(refused.value) == f"--param {item!r}: {message}"
 
 
 def test_help_lists_every_parameter_with_default(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ path and checks that it reproduces the node's plans.
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import shutil
 import time
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import rclpy
-import yaml
 from rclpy.executors import ExternalShutdownException
 
 from alpamayo_ros.eval.bags import BagWriter, bag_topics
@@ -33,7 +31,7 @@ from alpamayo_ros.rostools.processes import start_console_script, stop_process
 from alpamayo_ros.eval.recorded_plans import RecordedPlans, plan_differences
 from alpamayo_ros.eval.report import CameraProjection, ReportOptions, plot_drive_map, write_report
 from alpamayo_ros.eval.scene import PinholeCamera, default_rig
-from alpamayo_ros.settings import SPECS, write_params_file
+from alpamayo_ros.settings import parse_param_overrides, write_params_file
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +59,6 @@ def node_parameters(opts: DemoOptions, rig: Sequence[PinholeCamera], checkpoint:
         **(LOCKSTEP_QOS if opts.lockstep else {}),
         **opts.extra_params,
     }
-
-
-def parse_param_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """`NAME:=VALUE` items as {name: value}; an unknown name or a missing `:=` is refused, naming it.
-    The values are checked with every other parameter when the node and the evaluator read them."""
-    overrides: dict[str, Any] = {}
-    for item in items:
-        name, sep, text = item.partition(":=")
-        if not sep or not name:
-            raise ValueError(f"--param {item!r}: expected NAME:=VALUE")
-        if name not in SPECS:
-            close = difflib.get_close_matches(name, SPECS, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "alpamayo_drive --help lists them"
-            raise ValueError(f"--param {item!r}: unknown parameter {name!r}; {hint}")
-        overrides[name] = yaml.safe_load(text) if text else ""
-    return overrides
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`alpamayo-egodriver`: serve AlpaSim's EgodriverService on the drive loop.
 
     alpamayo-egodriver --checkpoint CKPT [--backend hf|vllm] [--device cuda] [--params-file drive.yaml]
-                       [--host 0.0.0.0] [--port 6789] [--camera LOGICAL_ID=INDEX ...] [-p NAME=VALUE ...]
+                       [--host 0.0.0.0] [--port 6789] [--camera LOGICAL_ID=INDEX ...] [-p NAME:=VALUE ...]
                        [--record DIR]
 
 The node's parameters (params file, then -p) set frame selection, ego history, sampling and the
@@ -18,15 +18,13 @@ import signal
 import sys
 import threading
 from concurrent import futures
-from typing import Any
 
 import grpc
-import yaml
 from carla_driver_interface.protocol import add_EgodriverServiceServicer_to_server, channel_options
 
 from alpamayo_ros.eval.evaluate import settings_values
 from alpamayo_ros.drive.planner import make_planner, warmup_input
-from alpamayo_ros.settings import DriveSettings, ParameterError, parse_settings
+from alpamayo_ros.settings import DriveSettings, ParameterError, parse_param_overrides, parse_settings
 from alpamayo_ros.sim.record import SessionRecorder
 from alpamayo_ros.sim.service import EgodriverService
 
@@ -55,20 +53,9 @@ def parse_camera_map(items: list[str] | None) -> dict[str, int]:
     return mapping
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """-p NAME=VALUE items, values read as YAML (numbers, booleans, lists)."""
-    overrides: dict[str, Any] = {}
-    for item in items or ():
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ParameterError(item, "expected -p NAME=VALUE")
-        overrides[name] = yaml.safe_load(value)
-    return overrides
-
-
 def egodriver_settings(args: argparse.Namespace, camera_map: dict[str, int]) -> DriveSettings:
     """The node's settings with the cameras keyed by AlpaSim logical id."""
-    overrides = parse_overrides(args.param)
+    overrides = parse_param_overrides(args.param)
     given = {"model.checkpoint_path": args.checkpoint, "model.backend": args.backend, "model.device": args.device}
     overrides.update({name: value for name, value in given.items() if value is not None})
     overrides.update({"cameras.topics": list(camera_map),
@@ -90,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default=None, choices=("hf", "vllm"))
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     parser.add_argument("--params-file", default=None, help="the node's params YAML")
-    parser.add_argument("-p", "--param", action="append", metavar="NAME=VALUE", help="a node parameter")
+    parser.add_argument("-p", "--param", action="append", default=[], metavar="NAME:=VALUE",
+                        help="a node parameter, value read as YAML (NAME=VALUE also works); repeat for more")
     parser.add_argument("--camera", action="append", metavar="LOGICAL_ID=INDEX",
                         help=f"AlpaSim camera -> model camera index, repeated (default: {ALPASIM_CAMERAS})")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for AlpaSim's containers)")
