@@ -492,9 +492,12 @@ def parse_param_overrides(items: Iterable[str]) -> dict[str, Any]:
             raise ValueError(f"--param {item!r}: unknown parameter {name!r}; {hint}")
         try:
             # an empty value is an empty string: YAML's null would read as "not given"
-            overrides[name] = yaml.safe_load(text) if text else ""
+            value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError as error:
             raise ValueError(f"--param {item!r}: the value is not valid YAML") from error
+        if isinstance(SPECS[name].default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # ROS parameters are typed: `0` for a double parameter is refused
+        overrides[name] = value
     return overrides
 
 

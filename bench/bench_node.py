@@ -55,7 +55,6 @@ from typing import Any, Callable, TextIO
 
 import cv2
 import numpy as np
-import yaml
 
 from diagnostic_msgs.msg import DiagnosticArray
 from nav_msgs.msg import Path as PathMsg
@@ -80,7 +79,7 @@ from alpamayo_ros.eval.scene import PinholeCamera, Renderer, Road, Vehicle, defa
 from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.convert import ns_to_stamp
 from alpamayo_ros.rostools.processes import TeardownGuard
-from alpamayo_ros.settings import SPECS
+from alpamayo_ros.settings import parse_param_overrides
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings
 
 logger = logging.getLogger("bench_node")
@@ -556,16 +555,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _parameter(text: str) -> tuple[str, Any]:
-    name, sep, value = text.partition("=")
-    if not sep or name not in SPECS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE with a drive node parameter name")
-    parsed = yaml.safe_load(value)
-    if isinstance(SPECS[name].default, float) and isinstance(parsed, int) and not isinstance(parsed, bool):
-        parsed = float(parsed)  # ROS parameters are typed: `0` for a double parameter is refused
-    return name, parsed
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: a tiny random one in OUT)")
@@ -583,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="sampling.temperature; 0 = greedy as bench_pipeline (the node's default 0.6 adds "
                              "top-p sampling over the whole vocabulary to every reasoning token)")
     parser.add_argument("--noise", type=float, default=4.0, help="sensor noise std of the frames (grey levels)")
-    parser.add_argument("--param", type=_parameter, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
                         help="extra drive node parameter (YAML value), e.g. images.width=576; repeatable")
     parser.add_argument("--reference-plans", type=int, default=0,
                         help="then time Pipeline.plan alone this many times (after --warmup), for comparison")
@@ -596,7 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.publisher_config:
         return run_publisher(args.publisher_config)
-    args.param = dict(args.param)
+    try:
+        args.param = parse_param_overrides(args.param)
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         report = run_bench(args)

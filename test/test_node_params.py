@@ -202,6 +202,13 @@ def test_param_overrides_take_both_separators_and_keep_equals_in_values(tmp_path
     assert settings.backend == "vllm" and settings.sampling.num_samples == 4 and settings.model_id == "run:=1"
 
 
+def test_param_overrides_give_a_double_parameter_a_double() -> None:
+    # a ROS node refuses an integer for a double parameter, so `:=1` must reach it as 1.0
+    overrides = parse_param_overrides(["cameras.max_age_s:=1", "sampling.num_samples:=2"])
+    assert overrides == {"cameras.max_age_s": 1.0, "sampling.num_samples": 2}
+    assert type(overrides["cameras.max_age_s"]) is float and type(overrides["sampling.num_samples"]) is int
+
+
 @pytest.mark.parametrize(
     ("item", "message"),
     [
