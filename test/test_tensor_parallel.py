@@ -4,12 +4,16 @@ Each engine runs in a child process (this file run as a script), one after the o
 needs vLLM's worker processes and, on a CPU, one core bound by hand to each rank
 (VLLM_CPU_OMP_THREADS_BIND="0|1", set only in that child's environment). The children plan
 the same inputs (saved here as .npz, no pickle) and write ids and trajectories as JSON.
+The TP=2 child also reports the CPU all-reduce segments its workers mapped in /dev/shm, and
+which of them close() left there, its workers stopped so that vLLM's shutdown has to kill them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +36,7 @@ ROUTE = "Turn left onto De La Cruz Boulevard in 40m"
 CASES = [("plain", (1,), 2, None, None), ("nav_cfg", (0, 1), 2, ROUTE, 1.5)]
 ENGINE = dict(max_model_len=2048, max_num_seqs=2, enforce_eager=True, kv_cache_gib=1, gpu_memory_utilization=0.3)
 MAX_TOKENS = 6
+SHM = Path("/dev/shm")
 CHILD_DEADLINE_S = 1500  # a hang guard only; the loaded 2-core machine is slow
 
 
@@ -82,6 +87,16 @@ def test_tp2_trajectories_match_tp1(plans) -> None:
     assert plans[1]["nav_cfg"]["xyz"] != plans[1]["nav_cfg_unguided"]["xyz"]
 
 
+def test_tp2_close_leaves_no_allreduce_segment(plans) -> None:
+    """The /dev/shm segments vllm-cpu's ranks all-reduce through are gone after close(), though
+    vLLM's shutdown had to kill the (stopped) workers, whose own exit would have unlinked them."""
+    import torch
+
+    segments = plans[2]["allreduce_segments"]
+    assert segments["seen"] or torch.cuda.is_available(), "the TP=2 workers mapped no all-reduce segment"
+    assert not segments["left"], f"left in {SHM} after close(): {segments['left']}"
+
+
 def test_bad_sizes_refused_at_start_naming_the_parameter(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Refused before any engine starts: a size dividing no heads, more GPUs than visible."""
     from alpamayo_ros.core.config import AlpamayoConfig
@@ -103,6 +118,20 @@ def test_bad_sizes_refused_at_start_naming_the_parameter(tiny_checkpoint: Path, 
         EngineOptions(tensor_parallel_size=0)
 
 
+def _allreduce_segments_by_worker() -> dict[int, set[str]]:
+    """{pid: the vllm-cpu all-reduce segments (`<group name>_<rank>`) it maps} over this process's
+    workers: read from their memory maps, not from the names the backbone unlinks."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        paths = {m.path for m in child.memory_maps()}
+        names = {Path(p).name for p in paths if p.startswith(f"{SHM}/") and "-cpushm_" in p}
+        if names:
+            found[child.pid] = names
+    return found
+
+
 def _child(checkpoint: str, inputs_dir: str, out: str, tp: str, cache_dir: str) -> None:
     """Plan every case on one engine of tensor_parallel_size tp; write ids and trajectories."""
     from alpamayo_ros.core.pipeline import Pipeline
@@ -111,6 +140,7 @@ def _child(checkpoint: str, inputs_dir: str, out: str, tp: str, cache_dir: str) 
     options = {**ENGINE, "cache_dir": Path(cache_dir), "tensor_parallel_size": int(tp)}
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", dtype="float32", backend_options=options)
     results = {}
+    workers: dict[int, set[str]] = {}
     try:
         for name, _, _, _, cfg_weight in CASES:
             data = np.load(Path(inputs_dir) / f"{name}.npz", allow_pickle=False)
@@ -132,8 +162,20 @@ def _child(checkpoint: str, inputs_dir: str, out: str, tp: str, cache_dir: str) 
                 )
                 plan = pipeline.plan(inputs, settings)
                 results[run] = {"ids": plan.generated_ids, "xyz": plan.xyz.tolist()}
+        workers = _allreduce_segments_by_worker()
+        # NOTE: stopped, the workers overrun vLLM's shutdown grace period and are killed, as on a
+        # loaded machine: none unlinks its segment then, so close() must.
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
     finally:
-        pipeline.close()
+        try:
+            pipeline.close()
+        finally:
+            for pid in workers:  # killed by now; resumed if not, so none is left stopped
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    seen = sorted(set().union(*workers.values()))
+    results["allreduce_segments"] = {"seen": seen, "left": [name for name in seen if (SHM / name).exists()]}
     Path(out).write_text(json.dumps(results))
 
 

