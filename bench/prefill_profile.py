@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
 import json
 import logging
 import os
@@ -54,7 +53,7 @@ from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.frame_cache import frame_keys
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
-from bench.bench_pipeline import WORKLOADS, greedy_settings, percentiles, synthetic_inputs, vllm_options
+from bench.bench_pipeline import WORKLOADS, export_trace, greedy_settings, percentiles, synthetic_inputs, vllm_options
 
 logger = logging.getLogger("prefill_profile")
 
@@ -70,7 +69,6 @@ GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "splitk", "m
 #: CPU events worth listing inside a slow preprocess (prefix match)
 PREPROCESS_MARKS = ("cuda", "aten::copy_", "aten::to", "aten::_to_copy", "aten::empty", "aten::pin_memory",
                     "aten::stack", "aten::cat", "aten::upsample", "aten::_upsample", "aten::contiguous")  # fmt: skip
-TRACE_LIMIT_BYTES = 16 * 2**20
 SLOW_FACTOR = 2.0  # a preprocess over this many times the median is in the slow mode
 
 
@@ -251,21 +249,6 @@ def preprocess_halves(pipeline: Pipeline, stream: Any, count: int) -> dict:
         cache_ms.append((time.perf_counter() - middle) * 1e3)
     return {"frame_keys": percentiles(keys_ms), "frame_cache": percentiles(cache_ms),
             "total": percentiles([a + b for a, b in zip(keys_ms, cache_ms)])}  # fmt: skip
-
-
-def export_trace(prof: Any, path: Path) -> str:
-    """Write prof's chrome trace gzipped to path; '' or why it was left out."""
-    with tempfile.TemporaryDirectory() as scratch:
-        raw = Path(scratch) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with raw.open("rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
-            target.write(source.read())
-    if path.stat().st_size > TRACE_LIMIT_BYTES:
-        size = path.stat().st_size
-        path.unlink()
-        return f"trace left out: {size / 2**20:.1f} MiB gzipped > {TRACE_LIMIT_BYTES / 2**20:.0f} MiB"
-    return ""
 
 
 def profile_plans(pipeline: Pipeline, stream: Any, settings: Any, count: int, projections: dict, trace: Path | None) -> dict:

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_pipeline.py"), "--smoke", "--speculation", "2",
-         "--runs", "2", "--warmup", "0", "--exact", "--json-dir", str(tmp_path)],
+         "--runs", "2", "--warmup", "0", "--exact", "--json-dir", str(tmp_path),
+         "--profile-dir", str(tmp_path / "profile")],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -30,3 +31,7 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     assert "| half |" in result.stdout
     repeat = report["seeded_repeat"]  # temperature 0.6, a seed, the same history twice
     assert repeat["ids_equal"] and len(set(repeat["drafted"])) == 1 and repeat["drafted"][0] > 0
+    plain = report["seeded_repeat_without_speculation"]
+    assert plain["ids_equal"] and plain["drafted"] == [0, 0]
+    assert (tmp_path / "profile" / "smoke-speculation-half.txt").is_file()  # one traced plan per regime
+    assert (tmp_path / "profile" / "smoke-speculation-none.trace.json.gz").stat().st_size > 0

@@ -292,6 +292,9 @@ class ExpertSampler:
             self._integrate(runner.state, runner.x0, steps, weight)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # capturing empties the allocator's cache first, so measure from an emptied cache too
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph, pool=self._pool):
             runner.output = self._integrate(runner.state, runner.x0, steps, weight)

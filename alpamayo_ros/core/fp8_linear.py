@@ -6,17 +6,17 @@ Each weight (N, K) gets one fp32 scale per output channel (its row's largest mag
 e4m3's 448; an all-zero row gets a tiny floor, so it quantises to zeros, not NaN).
 
 Kernels (one per layer, chosen when it is built):
-- "scaled_mm": activations quantised per token on the fly, torch._scaled_mm with both scale
-  vectors (CUDA, compute capability 8.9 or newer);
+- "scaled_mm": activations quantised per token on the fly (inductor fuses that into the
+  kernels before), torch._scaled_mm with both scale vectors (CUDA, compute capability 8.9+);
 - "cutlass": activations quantised per token by vLLM's op, vLLM's cutlass_scaled_mm
-  (vllm_adapter/fp8_kernels.py; CUDA, compute capability 8.9 or newer): the fastest FP8 GEMM
-  in isolation on an H100, not yet timed inside the expert, so named only, never auto;
+  (vllm_adapter/fp8_kernels.py; CUDA, compute capability 8.9+);
 - "marlin": weight-only, bf16 activations, through vLLM's Marlin kernel (vllm_adapter/fp8_kernels.py);
 - "dequant": the weight dequantised to the activations' dtype, then F.linear: any device, and
   exactly a full-precision layer holding the dequantised weight (the tests' and CPU's kernel).
-"auto" takes scaled_mm where it can run, else marlin, else dequant: on an H100 the whole
-expert ran 41.5 ms (1 sample) and 119.6 ms (16) with scaled_mm, against 47.1 and 225.6 with
-Marlin and 43.7 and 142.1 in bf16 (bench/EXPERT.md).
+"auto" takes "cutlass/scaled_mm" where both run (cutlass up to CUTLASS_MAX_ROWS rows, scaled_mm
+above), else scaled_mm, else marlin, else dequant. On an H100, against bf16 in the same run
+(bench/EXPERT.md): 1 sample (64 rows) cutlass -4.4 ms, scaled_mm -2.0; 16 samples (1,024 rows)
+cutlass -1 to -6 ms, scaled_mm -22; Marlin lost at both sizes.
 
 All of them are free of host syncs, so they run under torch.compile and inside CUDA graphs.
 """
@@ -34,6 +34,11 @@ from .types import EXPERT_QUANTIZATIONS
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 KERNELS = ("auto", "cutlass", "marlin", "scaled_mm", "dequant")
+#: "auto"'s pair where both run: cutlass_scaled_mm for inputs of up to CUTLASS_MAX_ROWS rows
+#: (a sample's 64 action tokens: it has small-M tiles), torch._scaled_mm above (16 samples'
+#: 1,024 rows: its activation quantisation fuses with the kernels before it).
+BY_ROWS = "cutlass/scaled_mm"
+CUTLASS_MAX_ROWS = 256
 #: Floor of a row's amax before it becomes a scale: keeps an all-zero row finite.
 _AMAX_FLOOR = 1e-12
 
@@ -61,7 +66,7 @@ def pick_kernel(kernel: str, device: torch.device) -> str:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
         if _scaled_mm_unavailable(device) is None:
-            return "scaled_mm"
+            return BY_ROWS if _vllm_kernel_unavailable("cutlass", device) is None else "scaled_mm"
         return "marlin" if _vllm_kernel_unavailable("marlin", device) is None else "dequant"
     if kernel in ("marlin", "cutlass"):
         reason = _vllm_kernel_unavailable(kernel, device)
@@ -111,7 +116,7 @@ class Fp8Linear(nn.Module):
         self.name = name
         self.kernel = pick_kernel(kernel, weight.device)
         out_features, in_features = weight.shape
-        if self.kernel in ("scaled_mm", "cutlass") and (out_features % 16 or in_features % 16):
+        if self.kernel in ("scaled_mm", "cutlass", BY_ROWS) and (out_features % 16 or in_features % 16):
             raise ValueError(f"{name}: the {self.kernel} kernel needs in/out features that are multiples of 16, "
                              f"got {tuple(weight.shape)}")
         with torch.no_grad():
@@ -122,7 +127,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self._marlin = None
         self._cutlass: Callable[..., torch.Tensor] | None = None
-        if self.kernel == "cutlass":
+        if self.kernel in ("cutlass", BY_ROWS):
             from .vllm_adapter.fp8_kernels import cutlass_fp8_linear
 
             self._cutlass = cutlass_fp8_linear
@@ -144,11 +149,14 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"{self.name}: input's last dimension {x.shape[-1]}, the weight takes {self.in_features}")
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.kernel == "marlin":
+        kernel = self.kernel
+        if kernel == BY_ROWS:  # the row count is fixed per traced shape, so this picks at trace time
+            kernel = "cutlass" if rows.shape[0] <= CUTLASS_MAX_ROWS else "scaled_mm"
+        if kernel == "marlin":
             out = self._marlin(rows, bias)
-        elif self.kernel == "cutlass":
+        elif kernel == "cutlass":
             out = self._cutlass(rows.contiguous(), self.values, self.scale, bias)
-        elif self.kernel == "scaled_mm":
+        elif kernel == "scaled_mm":
             values, scale = quantize_rows(rows)
             # the weight's values.t() is column-major, the layout the kernel wants second
             out = torch._scaled_mm(values, self.values.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
