@@ -8,15 +8,16 @@ e4m3's 448; an all-zero row gets a tiny floor, so it quantises to zeros, not NaN
 Kernels (one per layer, chosen when it is built):
 - "scaled_mm": activations quantised per token on the fly (inductor fuses that into the
   kernels before), torch._scaled_mm with both scale vectors (CUDA, compute capability 8.9+);
-- "cutlass": activations quantised per token by vLLM's op, vLLM's cutlass_scaled_mm
-  (vllm_adapter/fp8_kernels.py; CUDA, compute capability 8.9+);
+- "cutlass": activations quantised per token as for scaled_mm, vLLM's cutlass_scaled_mm
+  (vllm_adapter/fp8_kernels.py; CUDA, compute capability 8.9+), which has small-M tiles;
 - "marlin": weight-only, bf16 activations, through vLLM's Marlin kernel (vllm_adapter/fp8_kernels.py);
 - "dequant": the weight dequantised to the activations' dtype, then F.linear: any device, and
   exactly a full-precision layer holding the dequantised weight (the tests' and CPU's kernel).
 "auto" takes "cutlass/scaled_mm" where both run (cutlass up to CUTLASS_MAX_ROWS rows, scaled_mm
 above), else scaled_mm, else marlin, else dequant. On an H100, against bf16 in the same run
 (bench/EXPERT.md): 1 sample (64 rows) cutlass -4.4 ms, scaled_mm -2.0; 16 samples (1,024 rows)
-cutlass -1 to -6 ms, scaled_mm -22; Marlin lost at both sizes.
+cutlass -1 to -6 ms, scaled_mm -22; Marlin lost at both sizes. (cutlass then quantised with
+vLLM's op, one more kernel per GEMM; it now shares scaled_mm's fused quantisation.)
 
 All of them are free of host syncs, so they run under torch.compile and inside CUDA graphs.
 """
@@ -155,7 +156,8 @@ class Fp8Linear(nn.Module):
         if kernel == "marlin":
             out = self._marlin(rows, bias)
         elif kernel == "cutlass":
-            out = self._cutlass(rows.contiguous(), self.values, self.scale, bias)
+            values, scale = quantize_rows(rows)
+            out = self._cutlass(values, scale, self.values, self.scale, bias, x.dtype)
         elif kernel == "scaled_mm":
             values, scale = quantize_rows(rows)
             # the weight's values.t() is column-major, the layout the kernel wants second

@@ -2,7 +2,7 @@
 
 - Marlin, weight-only (W8A16): bf16 activations, the FP8 weight streamed and dequantised in
   registers; the weight is repacked into Marlin's layout once, where it lives.
-- cutlass_scaled_mm (W8A8): activations quantised per token by vLLM's op, the weight's
+- cutlass_scaled_mm (W8A8): activations quantised per token (by the caller), the weight's
   per-output-channel scales applied in the epilogue. On an H100 it was the fastest correct FP8
   GEMM at every expert size timed (64-1,024 rows, bench/RESULTS.md of 2026-12-06).
 
@@ -91,11 +91,17 @@ class MarlinFp8:
         return apply_fp8_marlin_linear(x, self.weight, self.scale, self.workspace, self.n, self.k, bias)
 
 
-def cutlass_fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) bf16/fp16 times FP8 values (N, K) with scales (1, N), + bias (N,) in x's dtype:
-    (M, N) in x's dtype. x is quantised per token on the way in."""
+def cutlass_fp8_linear(
+    x: torch.Tensor, x_scale: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """x (M, K) FP8 with per-token scales (M, 1) times FP8 values (N, K) with scales (1, N), + bias
+    (N,) in out_dtype: (M, N) in out_dtype.
+
+    The caller quantises x (fp8_linear.quantize_rows), so under torch.compile that fuses into
+    the kernels before; vLLM's own quantisation op is a kernel of its own before every GEMM.
+    """
     from vllm import _custom_ops as ops
 
-    quantized, token_scales = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
     # values.t(): the (K, N) column-major operand cutlass takes second
-    return ops.cutlass_scaled_mm(quantized, values.t(), token_scales, scale, out_dtype=x.dtype, bias=bias)
+    return ops.cutlass_scaled_mm(x, values.t(), x_scale, scale, out_dtype=out_dtype, bias=bias)
