@@ -466,6 +466,7 @@ class ActionExpertModel(nn.Module):
         return BlockTableState.zeros(
             rows=rows, width=width, n_tokens=cfg.n_waypoints, key_blocks=cache.paged.key_blocks[:layers],
             value_blocks=cache.paged.value_blocks[:layers], dtype=self.expert.norm.weight.dtype,
+            query_heads=cfg.num_heads,
         )
 
     def load_state(self, state: ExpertState | BlockTableState, caches: Sequence[PrefixCache]) -> None:
@@ -500,6 +501,7 @@ class ActionExpertModel(nn.Module):
                 raise ValueError("cache: a paged row must keep a leading run of its columns (offset, valid)")
             state.load(start, cache.paged.block_table, kept, self._rope(cache, state.cos.dtype))
             start += cache.rows
+        state.schedule_attention()
 
     def prepare(self, cache: PrefixCache, *, capacity: int | None = None) -> ExpertState | BlockTableState:
         """The state `cache` is attended through: a paged cache's block tables (BlockTableState,

@@ -34,12 +34,13 @@ logger = logging.getLogger(__name__)
 PAGE = 16
 
 _FA3: Any = None  # vllm_flash_attn's varlen entry point, once looked up
+_FA3_SCHEDULE: Any = None  # ... and its scheduler-metadata function
 _FA3_CHECKED = False
 
 
 def fa3_varlen() -> Any:
     """vLLM's FlashAttention-3 varlen function, or None where it cannot run (logged once)."""
-    global _FA3, _FA3_CHECKED
+    global _FA3, _FA3_SCHEDULE, _FA3_CHECKED
     if not _FA3_CHECKED:
         _FA3_CHECKED = True
         reason = None
@@ -47,11 +48,12 @@ def fa3_varlen() -> Any:
             from vllm.vllm_flash_attn.flash_attn_interface import (
                 flash_attn_varlen_func,
                 fa_version_unsupported_reason,
+                get_scheduler_metadata,
                 is_fa_version_supported,
             )
 
             if torch.cuda.is_available() and is_fa_version_supported(3):
-                _FA3 = flash_attn_varlen_func
+                _FA3, _FA3_SCHEDULE = flash_attn_varlen_func, get_scheduler_metadata
             else:
                 reason = fa_version_unsupported_reason(3) if torch.cuda.is_available() else "no CUDA device"
         except ImportError as error:
@@ -59,6 +61,13 @@ def fa3_varlen() -> Any:
         if reason is not None:
             logger.info(f"expert attention: FlashAttention-3 unavailable ({reason}); gathered K/V + SDPA")
     return _FA3
+
+
+def fa3_splits(queries: int) -> int:
+    """FA3's num_splits for a call over this many query rows: one split per tile from 512 on
+    (16 rows' 1,024 queries fill the SMs), else FA3's own heuristic (bench/EXPERT.md: 93.7
+    against 100.2 us at 16 rows, 19.7 either way at 1 row)."""
+    return 1 if queries >= 512 else 0
 
 
 def _write_slots(k_blocks: torch.Tensor, v_blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -126,11 +135,8 @@ def paged_attention(
     # _FA3, not fa3_varlen(): this runs inside torch.compile, which must not trace the import;
     # ExpertState.zeros looks FA3 up on a CUDA device before any state is attended.
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _FA3 is not None:
-        # One split per tile at 16 rows (1,024 queries fill the SMs); FA3's heuristic for 1 row
-        # (bench/EXPERT.md: 93.7 against 100.2 us at 16 rows, 19.7 either way at 1 row).
-        splits = 1 if q.shape[0] >= 512 else 0
         return _fa3_paged_attention(
-            q, k, v, k_blocks, v_blocks, slots, width, lengths, cu_seqlens_q, scale, splits
+            q, k, v, k_blocks, v_blocks, slots, width, lengths, cu_seqlens_q, scale, fa3_splits(q.shape[0])
         )
     _write_slots(k_blocks, v_blocks, slots, k, v)
     kv_heads, head_dim = k_blocks.shape[2:]
@@ -214,6 +220,7 @@ def _fa3_block_table_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     num_splits: int,
+    schedule: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # Opaque to torch.compile (FA3's op has no fake implementation to trace with). The two
     # parts come out unmerged, so inductor fuses the merge into one kernel: run eagerly in
@@ -223,6 +230,7 @@ def _fa3_block_table_attention(
     prefix, prefix_lse = _FA3(
         q, key_blocks, value_blocks, queries, cu_seqlens_q, width * key_blocks.shape[1], seqused_k=lengths,
         block_table=block_table, softmax_scale=scale, return_softmax_lse=True, fa_version=3, num_splits=num_splits,
+        scheduler_metadata=schedule,
     )
     own, own_lse = _FA3(
         q, k, v, queries, cu_seqlens_q, queries, cu_seqlens_k=cu_seqlens_q, softmax_scale=scale,
@@ -232,7 +240,7 @@ def _fa3_block_table_attention(
 
 
 @_fa3_block_table_attention.register_fake
-def _(q, k, v, key_blocks, value_blocks, block_table, lengths, cu_seqlens_q, scale, num_splits):
+def _(q, k, v, key_blocks, value_blocks, block_table, lengths, cu_seqlens_q, scale, num_splits, schedule):
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)  # (H, T), as FA3's varlen
     return torch.empty_like(q), lse, torch.empty_like(q), torch.empty_like(lse)
 
@@ -256,19 +264,21 @@ def block_table_attention(
     lengths: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend q (N*L, H, D), L queries per row, to row n's first lengths[n] paged keys and to
     the row's own L action keys k, v (N*L, Hkv, D); the blocks are only read.
 
     key_blocks/value_blocks: (blocks, block_size, Hkv, D), any strides but the last;
-    block_table: (N, W) int32; lengths: (N,) int32. Returns (N*L, H, D).
+    block_table: (N, W) int32; lengths: (N,) int32; schedule: block_table_schedule's for these
+    (FA3 then skips making its own). Returns (N*L, H, D).
     """
     rows, width = block_table.shape
     queries = q.shape[0] // rows
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _FA3 is not None:
-        splits = 1 if q.shape[0] >= 512 else 0  # as paged_attention
         return _merge(*_fa3_block_table_attention(
-            q, k, v, key_blocks, value_blocks, block_table, lengths, cu_seqlens_q, scale, splits
+            q, k, v, key_blocks, value_blocks, block_table, lengths, cu_seqlens_q, scale, fa3_splits(q.shape[0]),
+            schedule,
         ))
     block_size, kv_heads, head_dim = key_blocks.shape[1:]
     heads = q.shape[1]
@@ -297,6 +307,28 @@ def block_table_attention(
     return out.reshape(rows, heads, queries, head_dim).transpose(1, 2).reshape(rows * queries, heads, head_dim)
 
 
+def block_table_schedule(
+    block_table: torch.Tensor, lengths: torch.Tensor, cu_seqlens_q: torch.Tensor, *, queries: int,
+    query_heads: int, key_blocks: torch.Tensor,
+) -> torch.Tensor | None:
+    """FA3's tile schedule for block_table_attention's paged-prefix call over these rows, made
+    once per plan: without it every layer's call of every flow step makes the same one in a
+    kernel of its own (720 per 1-row plan). None where that call does not run FA3.
+
+    queries: per row (L); query_heads: H; key_blocks: one layer's (blocks, block_size, Hkv, D).
+    """
+    dtype = key_blocks.dtype
+    if _FA3_SCHEDULE is None or not key_blocks.is_cuda or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    rows, width = block_table.shape
+    block_size, kv_heads, head_dim = key_blocks.shape[1:]
+    return _FA3_SCHEDULE(
+        batch_size=rows, max_seqlen_q=queries, max_seqlen_k=width * block_size, num_heads_q=query_heads,
+        num_heads_kv=kv_heads, headdim=head_dim, cache_seqlens=lengths, qkv_dtype=dtype, cu_seqlens_q=cu_seqlens_q,
+        page_size=block_size, causal=False, num_splits=fa3_splits(rows * queries),
+    )
+
+
 @dataclass
 class BlockTableKV:
     """One layer of a BlockTableState (expert_state.py) as seen by ExpertAttention."""
@@ -306,6 +338,7 @@ class BlockTableKV:
     block_table: torch.Tensor
     lengths: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    schedule: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
@@ -314,6 +347,6 @@ class BlockTableKV:
         out = block_table_attention(
             q.reshape(rows * length, heads, head_dim), k.reshape(-1, kv_heads, head_dim),
             v.reshape(-1, kv_heads, head_dim), self.key_blocks, self.value_blocks, self.block_table,
-            self.lengths, self.cu_seqlens_q, head_dim**-0.5,
+            self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.schedule,
         )
         return out.view(rows, length, heads, head_dim)

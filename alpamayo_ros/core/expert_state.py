@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alpamayo_ros.core.expert_attention import PAGE, BlockTableKV, PagedKV, fa3_varlen
+from alpamayo_ros.core.expert_attention import PAGE, BlockTableKV, PagedKV, block_table_schedule, fa3_varlen
 
 
 @dataclass
@@ -168,7 +168,8 @@ class BlockTableState:
     key_blocks/value_blocks: per expert layer, the engine's (blocks, block_size, Hkv, D) views;
     block_table: (N, W) int32, each row's blocks in order; lengths: (N,) int32, the prefix keys
     each row attends (its kept columns, a leading run); cu_seqlens_q: (N+1,) int32, L queries
-    per row (the action tokens); cos/sin: (N, L, 1, D) their RoPE.
+    per row (the action tokens); cos/sin: (N, L, 1, D) their RoPE; query_heads: the expert's;
+    schedule: FA3's schedule of the loaded rows (schedule_attention), None without FA3.
     """
 
     key_blocks: list[torch.Tensor]
@@ -178,6 +179,8 @@ class BlockTableState:
     cu_seqlens_q: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    query_heads: int
+    schedule: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -189,6 +192,7 @@ class BlockTableState:
         key_blocks: Sequence[torch.Tensor],
         value_blocks: Sequence[torch.Tensor],
         dtype: torch.dtype,
+        query_heads: int,
     ) -> BlockTableState:
         """A state of `rows` rows of up to `width` blocks each over these layers' blocks."""
         if rows < 1 or width < 1:
@@ -206,6 +210,7 @@ class BlockTableState:
             cu_seqlens_q=torch.arange(0, rows * n_tokens + 1, n_tokens, **ints),
             cos=torch.zeros(rows, n_tokens, 1, head_dim, device=device, dtype=dtype),
             sin=torch.zeros(rows, n_tokens, 1, head_dim, device=device, dtype=dtype),
+            query_heads=query_heads,
         )
 
     @property
@@ -225,8 +230,21 @@ class BlockTableState:
 
     def layers(self) -> list[BlockTableKV]:
         """Per expert layer, the K/V source ExpertAttention attends through."""
-        meta = (self.block_table, self.lengths, self.cu_seqlens_q)
+        meta = (self.block_table, self.lengths, self.cu_seqlens_q, self.schedule)
         return [BlockTableKV(k, v, *meta) for k, v in zip(self.key_blocks, self.value_blocks)]
+
+    def schedule_attention(self) -> None:
+        """Make FA3's schedule of the rows as loaded now, once for every layer and flow step; after
+        every load of all rows. Written into the same tensor each time (a captured graph reads it)."""
+        queries = self.cos.shape[1]
+        fresh = block_table_schedule(self.block_table, self.lengths, self.cu_seqlens_q, queries=queries,
+                                     query_heads=self.query_heads, key_blocks=self.key_blocks[0])
+        if fresh is None:
+            return
+        if self.schedule is None:
+            self.schedule = fresh
+        else:
+            self.schedule.copy_(fresh)
 
     def load(
         self, start: int, block_table: torch.Tensor, kept: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
