@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import gzip
 import itertools
 import json
@@ -137,6 +138,67 @@ def synthetic_inputs(workload: Workload, seed: int) -> Iterator[DrivingInput]:
             keys = [[] for _ in workload.cameras]
 
 
+# Python garbage-collector pauses during timed plans (gc.callbacks). Two figures have moved between
+# runs by 50-100 ms a plan without a known cause (preprocess's slow mode; a fixed cost of each
+# plan decoded with speculation), and a generation-2 collection over this process's heap (vLLM,
+# torch.compile) takes that long: recorded beside the plans, the same run shows whether they coincide.
+
+
+class GcPauses:
+    """Every collection while entered: (perf_counter start, seconds, generation)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, float, int]] = []
+        self._started = 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        else:
+            self.events.append((self._started, now - self._started, int(info["generation"])))
+
+    def within(self, start: float, end: float) -> list[dict[str, float]]:
+        """Collections that began in [start, end): offset from start and length in ms, generation."""
+        return [
+            {"at_ms": (began - start) * 1e3, "ms": seconds * 1e3, "generation": generation}
+            for began, seconds, generation in self.events
+            if start <= began < end
+        ]
+
+
+def gc_line(summary: dict[str, Any]) -> str:
+    """summarize_pauses' figures in one report line."""
+    per_plan = summary["gc_ms_per_plan"]
+    return (f"gc in timed plans: collections by generation {summary['collections']}, "
+            f"max {max(per_plan, default=0.0):.1f} ms in a plan; slow preprocesses {summary['slow_preprocess_plans']}, "
+            f"with a collection inside {summary['slow_preprocess_plans_with_gc_inside']}")
+
+
+def summarize_pauses(plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over timed plans, each {"preprocess_ms": ..., "gc": within(...)}: collections per
+    generation, their ms per plan, and how many slow preprocesses (over twice the median) had a
+    collection start inside them (the plan's first stage, so its first preprocess_ms)."""
+    preprocess = sorted(plan["preprocess_ms"] for plan in plans)
+    median = preprocess[len(preprocess) // 2] if preprocess else 0.0
+    slow = [plan for plan in plans if plan["preprocess_ms"] > 2 * median]
+    return {
+        "collections": {str(g): sum(e["generation"] == g for p in plans for e in p["gc"]) for g in (0, 1, 2)},
+        "gc_ms_per_plan": [round(sum(e["ms"] for e in plan["gc"]), 2) for plan in plans],
+        "slow_preprocess_plans": len(slow),
+        "slow_preprocess_plans_with_gc_inside": sum(
+            any(e["at_ms"] < plan["preprocess_ms"] for e in plan["gc"]) for plan in slow
+        ),
+    }
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     array = np.asarray(values, dtype=np.float64)
     return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)}
@@ -163,32 +225,36 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, 
     generated: list[int] = []
     in_use_peak = 0.0
     stream = synthetic_inputs(workload, seed=0)
-    for index in range(warmup + runs):
-        inputs = next(stream)
-        if index == warmup:
-            hits, misses = pipeline.frames.hits, pipeline.frames.misses
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        plan = pipeline.plan(inputs, settings)
-        wall_ms = (time.perf_counter() - start) * 1e3
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            in_use_peak = max(in_use_peak, (total - free) / 2**30)
-        if index < warmup:
-            continue
-        if len(plan.generated_ids) != workload.samples:
-            raise RuntimeError(f"plan {index}: {len(plan.generated_ids)} rows for {workload.samples} samples")
-        generated.extend(len(row) for row in plan.generated_ids)
-        for stage, ms in plan.timings_ms.items():
-            stages.setdefault(stage, []).append(ms)
-        stages.setdefault("wall", []).append(wall_ms)
+    collected = []  # per timed plan: its preprocess ms and the collections inside it
+    with GcPauses() as pauses:
+        for index in range(warmup + runs):
+            inputs = next(stream)
+            if index == warmup:
+                hits, misses = pipeline.frames.hits, pipeline.frames.misses
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            plan = pipeline.plan(inputs, settings)
+            end = time.perf_counter()
+            if torch.cuda.is_available():
+                free, total = torch.cuda.mem_get_info()
+                in_use_peak = max(in_use_peak, (total - free) / 2**30)
+            if index < warmup:
+                continue
+            if len(plan.generated_ids) != workload.samples:
+                raise RuntimeError(f"plan {index}: {len(plan.generated_ids)} rows for {workload.samples} samples")
+            generated.extend(len(row) for row in plan.generated_ids)
+            for stage, ms in plan.timings_ms.items():
+                stages.setdefault(stage, []).append(ms)
+            stages.setdefault("wall", []).append((end - start) * 1e3)
+            collected.append({"preprocess_ms": plan.timings_ms["preprocess"], "gc": pauses.within(start, end)})
     result = {
         "stages_ms": {stage: percentiles(values) for stage, values in stages.items()},
         "generated_tokens": sorted(set(generated)),
         "runs": runs,
         "frames_reused": pipeline.frames.hits - hits,
         "frames_preprocessed": pipeline.frames.misses - misses,
+        "gc": summarize_pauses(collected),
     }
     if torch.cuda.is_available():
         result["gpu_in_use_peak_gib"] = in_use_peak
@@ -386,19 +452,25 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     settings = greedy_settings(workload)
     count = args.warmup + args.runs
     results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft, "regimes": {}}
+    gc_by_regime: dict[str, dict] = {}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
     def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None, regime: str) -> tuple[list, dict]:
-        plans, stages = [], {}
-        for index, inputs in zip(range(count), synthetic_inputs(workload, seed=0)):
-            if before_plan is not None:
-                before_plan(index)
-            plan = pipeline.plan(inputs, settings)
-            plans.append(plan)
-            if index >= args.warmup:
-                for stage, ms in plan.timings_ms.items():
-                    stages.setdefault(stage, []).append(ms)
+        plans, stages, collected = [], {}, []
+        with GcPauses() as pauses:
+            for index, inputs in zip(range(count), synthetic_inputs(workload, seed=0)):
+                if before_plan is not None:
+                    before_plan(index)
+                start = time.perf_counter()
+                plan = pipeline.plan(inputs, settings)
+                plans.append(plan)
+                if index >= args.warmup:
+                    for stage, ms in plan.timings_ms.items():
+                        stages.setdefault(stage, []).append(ms)
+                    collected.append({"preprocess_ms": plan.timings_ms["preprocess"],
+                                      "gc": pauses.within(start, time.perf_counter())})
+        gc_by_regime[regime] = summarize_pauses(collected)
         if args.profile_dir:  # the last window planned once more, its history as before, traced
             if before_plan is not None:
                 before_plan(count - 1)
@@ -425,7 +497,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options,
                                         expert_quantization=workload.expert_quantization)
     reference, stages = timed(pipeline, None, "none")
-    results["regimes"]["none"] = summary(reference, stages, None)
+    results["regimes"]["none"] = {**summary(reference, stages, None), "gc": gc_by_regime["none"]}
     prompts = [
         pipeline.driving_prompt(inputs, pipeline.preprocess(inputs)).input_ids.tolist()
         for _, inputs in zip(range(count), synthetic_inputs(workload, seed=0))
@@ -468,7 +540,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
                 history.record([], [scripted_row(prompts[index], row, ahead, wrong) for row in rows])
 
         plans, stages = timed(pipeline, before_plan, regime)
-        results["regimes"][regime] = summary(plans, stages, reference)
+        results["regimes"][regime] = {**summary(plans, stages, reference), "gc": gc_by_regime[regime]}
 
     def first_window_history() -> None:
         history.clear()
@@ -499,6 +571,7 @@ def print_speculation_report(results: dict) -> None:
         )
     repeat, plain = results["seeded_repeat"], results["seeded_repeat_without_speculation"]
     lines.append("")
+    lines.extend(f"- {regime}: {gc_line(entry['gc'])}" for regime, entry in results["regimes"].items())
     lines.append(
         f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
         f"drafted {repeat['drafted']}, accepted {repeat['accepted']}; without speculation: ids equal "
@@ -576,6 +649,7 @@ def print_report(results: dict) -> None:
             if isinstance(v, (int, float)) and k != "runs"
         )
         lines.append(f"- {backend}: runs={info['runs']}, generated tokens={info['generated_tokens']}, {extra}")
+        lines.append(f"  {gc_line(info['gc'])}")
         if "expert_memory" in info:
             memory = info["expert_memory"]
             lines.append(f"  expert sampler: {memory['shapes']} shapes, static states {memory['states_gib']:.3f} GiB, "

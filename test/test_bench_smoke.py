@@ -31,6 +31,7 @@ def test_bench_smoke_writes_per_stage_percentiles(tmp_path: Path) -> None:
     assert (report["backends"]["hf"]["frames_reused"], report["backends"]["hf"]["frames_preprocessed"]) == (6, 10)
     assert report["roofline_floor_ms"]["total"] > 0
     assert "| hf | total |" in result.stdout
+    assert len(report["backends"]["hf"]["gc"]["gc_ms_per_plan"]) == 2  # collections looked for in each timed plan
     profile = (tmp_path / "profile" / "smoke-hf-profile.txt").read_text()  # one traced plan, stage ranges named
     assert all(f"pipeline.{stage}" in profile for stage in ("preprocess", "backbone", "expert", "action"))
 
@@ -193,3 +194,26 @@ def test_expert_parity_checks_every_fast_path_and_the_fp8_expert(tmp_path: Path)
         case = report[rows]
         assert all(case[f"{name}_error"] < 1e-5 for name in ("plain", "vllm_paged", "fp8_plain", "fp8_vllm_paged"))
         assert 1e-4 < case["fp8_vs_bf16_truth_relative"] < 0.1  # the FP8 truth really is another weight set
+
+
+def test_gc_pauses_are_attributed_to_their_plan_and_its_preprocess() -> None:
+    """A collection forced inside a 'plan' is recorded there with its generation; one inside a
+    slow preprocess counts as such, one outside any plan is not attributed."""
+    import gc
+    import time
+
+    from bench.bench_pipeline import GcPauses, summarize_pauses
+
+    plans = []
+    with GcPauses() as pauses:
+        gc.collect(2)  # between plans: belongs to none
+        for preprocess_ms, collect in ((1.0, False), (1.0, False), (50.0, True)):
+            start = time.perf_counter()
+            if collect:
+                gc.collect(2)
+            plans.append({"preprocess_ms": preprocess_ms, "gc": pauses.within(start, time.perf_counter())})
+    assert [len(plan["gc"]) for plan in plans] == [0, 0, 1]
+    assert plans[2]["gc"][0]["generation"] == 2 and plans[2]["gc"][0]["at_ms"] < 50.0
+    summary = summarize_pauses(plans)
+    assert summary["collections"] == {"0": 0, "1": 0, "2": 1}
+    assert (summary["slow_preprocess_plans"], summary["slow_preprocess_plans_with_gc_inside"]) == (1, 1)
