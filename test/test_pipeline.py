@@ -71,6 +71,23 @@ def test_same_seed_same_plan_other_seed_other_plan(pipeline: Pipeline, scene) ->
     assert first.generated_ids != other.generated_ids
 
 
+def test_warm_up_plans_as_plan_and_takes_the_model_out_of_the_collectors_way(pipeline: Pipeline, scene) -> None:
+    import gc
+
+    settings = SamplingSettings(num_samples=1, seed=3, **FAST)
+    expert_weight = next(pipeline.expert.parameters())
+    assert any(obj is expert_weight for obj in gc.get_objects())  # traversed by every full collection
+    try:
+        warm = pipeline.warm_up(scene, settings)
+        # frozen objects are left out of gc.get_objects(), as out of every later collection
+        assert not any(obj is expert_weight for obj in gc.get_objects())
+    finally:
+        gc.unfreeze()  # the rest of this test process collects as before
+    plain = pipeline.plan(scene, settings)
+    np.testing.assert_array_equal(warm.xyz, plain.xyz)
+    assert warm.generated_ids == plain.generated_ids
+
+
 def test_injected_noise_is_the_noise_used(pipeline: Pipeline, scene, coc_ids: list[int]) -> None:
     # With forced reasoning nothing is sampled, so a seed's first draw is the flow noise.
     seeded = pipeline.plan(scene, SamplingSettings(num_samples=2, seed=3), forced_coc_ids=coc_ids)

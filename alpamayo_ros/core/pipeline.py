@@ -12,6 +12,7 @@ is the upstream layout.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -145,10 +146,13 @@ class Pipeline:
         self.stop.set()
 
     def close(self) -> None:
-        """Release the backend (the vLLM engine holds most of the GPU); the pipeline is unusable after."""
+        """Release the backend (the vLLM engine holds most of the GPU); the pipeline is unusable after.
+        What warm_up froze is handed back to the collector, so the model can be freed (and
+        native bindings do not report it as leaked when the process exits)."""
         close = getattr(self.backbone, "close", None)
         if close is not None:
             close()
+        gc.unfreeze()
 
     # -- inputs --------------------------------------------------------------------------
 
@@ -179,6 +183,17 @@ class Pipeline:
     # -- requests ------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def warm_up(self, inputs: DrivingInput, settings: SamplingSettings) -> Plan:
+        """One plan that pays what the first would (compilation, graph capture, allocations),
+        then the heap as it stands frozen (gc.freeze): the model, compiled code and graphs
+        are never traversed by a later generation-2 collection, whose pause on this heap is
+        of the order of a plan. vLLM's engine does the same at its own start, before the expert
+        and the graphs exist; close() (and closing vLLM's engine) unfreezes everything again."""
+        plan = self.plan(inputs, settings)
+        gc.collect()
+        gc.freeze()
+        return plan
+
     def plan(
         self,
         inputs: DrivingInput,

@@ -67,7 +67,7 @@ class PipelinePlanner:
         return self._pipeline.plan(driving_input, sampling)
 
     def warm_up(self, driving_input: DrivingInput, sampling: SamplingSettings) -> None:
-        self._pipeline.plan(driving_input, sampling)
+        self._pipeline.warm_up(driving_input, sampling)
 
     def cancel(self) -> None:
         self._pipeline.cancel()

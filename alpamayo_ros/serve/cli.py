@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline = Pipeline.from_checkpoint(args.checkpoint, backend=args.backend, device=args.device,
                                             dtype=args.dtype, backend_options=options,
                                             expert_quantization=args.expert_quantization)
-        pipeline.plan(warmup_input(), WARMUP_SETTINGS)
+        pipeline.warm_up(warmup_input(), WARMUP_SETTINGS)
         logger.info("ready: %s backend on %s, loaded and warmed up in %.1f s",
                     args.backend, args.device, time.perf_counter() - started)
         return pipeline
