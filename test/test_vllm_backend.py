@@ -580,3 +580,18 @@ def test_token_mask_serves_a_partial_min_new_tokens(token_mask_pipeline, hf_pipe
     assert len(longer.generated_ids[0]) > len(unforced.generated_ids[0])
     _assert_cache_close(longer.cache, reference.cache, [longer.cache.length])
 
+
+
+def test_kernel_block_ids_split_scheduler_blocks_as_vllms_block_table_does() -> None:
+    """Scheduler block b of 32 tokens is kernel blocks 2b, 2b+1 of 16; only the blocks holding
+    the first num_tokens positions are listed, and too few blocks or an indivisible size are refused."""
+    from alpamayo_ros.core.vllm_adapter.capture import CaptureSink
+
+    sink = CaptureSink(scheduler_block_size=32)
+    assert sink.kernel_block_ids([3, 7], 16, 40).tolist() == [6, 7, 14]
+    assert sink.kernel_block_ids([3, 7], 32, 64).tolist() == [3, 7]
+    assert sink.kernel_block_ids([3, 7], 16, 64).dtype == torch.int64
+    with pytest.raises(RuntimeError, match="2 blocks hold fewer than 65 tokens"):
+        sink.kernel_block_ids([3, 7], 32, 65)
+    with pytest.raises(ValueError, match="kernel block size 24 does not divide the scheduler's 32"):
+        sink.kernel_block_ids([3, 7], 24, 40)

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -145,12 +146,12 @@ class CaptureSink:
                 f"kernel block size {kernel_block_size} does not divide the scheduler's {self.scheduler_block_size}"
             )
         per = self.scheduler_block_size // kernel_block_size
-        ids = torch.tensor(block_ids, dtype=torch.long).repeat_interleave(per) * per
-        ids += torch.arange(per).repeat(len(block_ids))
+        # numpy, not torch: a plan builds one list per row on the host, before the expert starts
+        ids = (np.asarray(block_ids, dtype=np.int64)[:, None] * per + np.arange(per)).reshape(-1)
         needed = -(-num_tokens // kernel_block_size)
-        if ids.numel() < needed:
+        if ids.size < needed:
             raise RuntimeError(f"KV capture: {len(block_ids)} blocks hold fewer than {num_tokens} tokens")
-        return ids[:needed]
+        return torch.from_numpy(ids[:needed])
 
 
 _SINKS: dict[str, CaptureSink] = {}
