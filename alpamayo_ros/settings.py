@@ -88,7 +88,7 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ParamSpec(
         "model.expert_quantization",
         "none",
-        "Action expert weights: fp8 = FP8 copies of its layer weights (kernel chosen for the GPU: torch._scaled_mm on compute capability 8.9+, else Marlin weight-only where vLLM has it, else dequantised), fp8_<kernel> = that kernel (fp8_cutlass: vLLM's cutlass_scaled_mm), none = full precision. In-process backends; a remote server has its own --expert-quantization.",
+        "Action expert weights: fp8 = FP8 copies of its layer weights (kernel chosen for the GPU: on compute capability 8.9+ vLLM's cutlass_scaled_mm up to 256 rows and torch._scaled_mm above, or torch._scaled_mm alone without vLLM's cutlass; else Marlin weight-only where vLLM has it; else dequantised), fp8_<kernel> = that kernel, none = full precision. In-process backends; a remote server has its own --expert-quantization.",
         choices=EXPERT_QUANTIZATIONS,
     ),
     ParamSpec("model.id", "", "Model name reported in Reasoning and diagnostics; empty = checkpoint folder name."),

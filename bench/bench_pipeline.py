@@ -382,8 +382,8 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
         backends = [b for b in backends if b == "vllm"]  # HF has no online FP8 path here
     for position, backend in enumerate(backends):
         options = vllm_options(args, workload) if backend == "vllm" else {}
-        # what earlier pipelines of this process still hold (an in-process vLLM engine does not
-        # give all of its GPU memory back when closed); this pipeline's own peak is above it
+        # what earlier pipelines of this process still hold (a closed in-process vLLM engine may
+        # keep some); this pipeline's own peak is above it
         before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         start = time.perf_counter()
         pipeline = Pipeline.from_checkpoint(checkpoint, backend=backend, device=args.device, dtype=dtype,
@@ -459,11 +459,11 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     settings = greedy_settings(workload)
     count = args.warmup + args.runs
     results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft, "regimes": {}}
-    gc_by_regime: dict[str, dict] = {}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
-    def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None, regime: str) -> tuple[list, dict]:
+    def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None, regime: str) -> tuple[list, dict, dict]:
+        """The stream's plans, the timed ones' stage ms, and the collections inside them."""
         plans, stages, collected = [], {}, []
         with GcPauses() as pauses:
             for index, inputs in zip(range(count), synthetic_inputs(workload, seed=0)):
@@ -477,14 +477,13 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
                         stages.setdefault(stage, []).append(ms)
                     collected.append({"preprocess_ms": plan.timings_ms["preprocess"],
                                       "gc": pauses.within(start, time.perf_counter())})
-        gc_by_regime[regime] = summarize_pauses(collected)
         if args.profile_dir:  # the last window planned once more, its history as before, traced
             if before_plan is not None:
                 before_plan(count - 1)
             window = next(itertools.islice(synthetic_inputs(workload, seed=0), count - 1, None))
             stem = args.profile_dir / f"{name}-speculation-{regime}"
             write_profile(lambda: pipeline.plan(window, settings), stem.with_suffix(".txt"), stem.with_suffix(".trace.json.gz"))
-        return plans, stages
+        return plans, stages, summarize_pauses(collected)
 
     def summary(plans: list, stages: dict, reference: list | None) -> dict:
         timed_plans = plans[args.warmup :]
@@ -503,8 +502,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     options = vllm_options(args, workload)
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options,
                                         expert_quantization=workload.expert_quantization)
-    reference, stages = timed(pipeline, None, "none")
-    results["regimes"]["none"] = {**summary(reference, stages, None), "gc": gc_by_regime["none"]}
+    reference, stages, collections = timed(pipeline, None, "none")
+    results["regimes"]["none"] = {**summary(reference, stages, None), "gc": collections}
     prompts = [
         pipeline.driving_prompt(inputs, pipeline.preprocess(inputs)).input_ids.tolist()
         for _, inputs in zip(range(count), synthetic_inputs(workload, seed=0))
@@ -545,8 +544,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
                 ahead = draft // 2 if right == "half" else right
                 history.record([], [scripted_row(prompts[index], row, ahead, wrong) for row in rows])
 
-        plans, stages = timed(pipeline, before_plan, regime)
-        results["regimes"][regime] = {**summary(plans, stages, reference), "gc": gc_by_regime[regime]}
+        plans, stages, collections = timed(pipeline, before_plan, regime)
+        results["regimes"][regime] = {**summary(plans, stages, reference), "gc": collections}
 
     def first_window_history() -> None:
         history.clear()

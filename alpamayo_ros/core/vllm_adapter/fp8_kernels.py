@@ -47,17 +47,15 @@ def marlin_unavailable(device: torch.device) -> str | None:
 
 def cutlass_unavailable(device: torch.device) -> str | None:
     """Why cutlass_scaled_mm cannot run FP8 on device (None: it can): FP8 tensor cores (8.9 or
-    newer), and a vLLM build with the op, its FP8 support for this device and per-token
-    quantisation."""
+    newer), and a vLLM build with the op and its FP8 support for this device."""
     if reason := _cuda_unavailable(device, "cutlass_scaled_mm FP8", (8, 9)):
         return reason
     try:
         from vllm import _custom_ops as ops
     except ImportError as error:
         return f"vLLM's custom ops cannot be imported ({error})"
-    for name in ("cutlass_scaled_mm", "dynamic_per_token_scaled_fp8_quant"):
-        if not _has_op(name):
-            return f"this vLLM build has no {name} op"
+    if not _has_op("cutlass_scaled_mm"):
+        return "this vLLM build has no cutlass_scaled_mm op"
     major, minor = torch.cuda.get_device_capability(device)
     if not ops.cutlass_scaled_mm_supports_fp8(major * 10 + minor):
         return f"this vLLM build's cutlass_scaled_mm has no FP8 kernel for compute capability {major}.{minor}"
