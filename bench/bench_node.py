@@ -78,7 +78,7 @@ from alpamayo_ros.core.types import CAMERAS
 from alpamayo_ros.eval.scene import PinholeCamera, Renderer, Road, Vehicle, default_rig
 from alpamayo_ros.inputs.messages import stamp_to_ns
 from alpamayo_ros.ros.convert import ns_to_stamp
-from alpamayo_ros.rostools.processes import TeardownGuard
+from alpamayo_ros.ros.teardown import TeardownGuard
 from alpamayo_ros.settings import parse_param_overrides
 from alpamayo_ros_msgs.msg import Reasoning, StageTimings
 

@@ -164,23 +164,26 @@ def test_drive_node_ctrl_c_logs_no_rosout_failure(tmp_path: Path, marker: str) -
 
 STALLED_TEARDOWN = """
 import logging, threading
-from alpamayo_ros.rostools.processes import TeardownGuard
+from alpamayo_ros.ros.teardown import TeardownGuard
 logging.basicConfig(level=logging.INFO)
-TeardownGuard("stalled tool", step="ROS teardown").start(1.0)
+TeardownGuard("stalled tool", step="ROS teardown", code=%d).start(1.0)
 threading.Event().wait()  # a teardown that never returns
 """
 
 
-def test_a_stalled_teardown_ends_the_process_with_exit_0(tmp_path: Path) -> None:
-    """TeardownGuard (bench_node's publisher, alpamayo-replay): the work is done, the teardown
-    hangs, and the process still ends by itself, exit 0, naming the program and the stalled step.
-    No DDS participant here: the one a real stall leaves behind would stay in /dev/shm."""
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_stalled_teardown_ends_the_process_with_its_code(tmp_path: Path, code: int) -> None:
+    """TeardownGuard (alpamayo_drive, bench_node's publisher, alpamayo-replay): the work is done,
+    the teardown hangs, and the process still ends by itself with the code it earned (a node whose
+    model failed to load exits 1), naming the program and the stalled step, with every thread's
+    stack. No DDS participant here: the one a real stall leaves behind would stay in /dev/shm."""
     log = tmp_path / "stalled.log"
-    process = start_python(STALLED_TEARDOWN, env=ros_env(unique_domain_id()), log_path=log)
+    process = start_python(STALLED_TEARDOWN % code, env=ros_env(unique_domain_id()), log_path=log)
     try:
         assert wait_until(lambda: process.poll() is not None, timeout_s=CLEANUP_TIMEOUT_S), log.read_text()
     finally:
-        code = stop_process(process)
+        returned = stop_process(process)
     text = log.read_text()
-    assert code == 0, text
+    assert returned == code, text
     assert "stalled tool: ROS teardown still running 1 s after the work was done; exiting anyway" in text, text
+    assert 'File "<string>", line 6 in <module>' in text, text  # the main thread's stalled line

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import sys
 from typing import Any, Iterator
@@ -21,10 +20,14 @@ from rclpy.signals import SignalHandlerOptions
 
 from alpamayo_ros.ros.node import NODE_NAME, DriveNode
 from alpamayo_ros.ros.params import help_text
+from alpamayo_ros.ros.teardown import TeardownGuard, exit_now
 from alpamayo_ros.settings import ParameterError
 
 SPIN_TIMEOUT_S = 0.25  # how often the spin loop looks for a signal: the exit's added latency
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and launch's escalation
+# from the end of the spin loop to the exit: the worker's stop (1 s) and ROS's teardown (well under
+# a second unless Fast DDS stalls), inside launch's SIGINT -> SIGTERM -> SIGKILL escalation (5 + 5 s)
+TEARDOWN_BUDGET_S = 8.0
 
 
 class _Signals:
@@ -90,6 +93,7 @@ def main(args: list[str] | None = None) -> int:
         return 0
     signals.raises = False
     code, node = 0, None
+    guard = TeardownGuard(NODE_NAME, step="stopping the inference worker")
     try:
         with ros:
             # Single-threaded on purpose: callbacks are short (inference has its own thread), and
@@ -105,23 +109,21 @@ def main(args: list[str] | None = None) -> int:
                     executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
             except (ParameterError, ParameterException) as exc:
                 rclpy.logging.get_logger(NODE_NAME).fatal(f"bad parameter, not starting: {exc}")
-                code = 2
+                code = guard.code = 2
             except KeyboardInterrupt:  # a signal during the model stack's import
                 pass
             finally:
+                guard.start(TEARDOWN_BUDGET_S)
                 if node is not None:
                     node.close()
-                    code = node.exit_code or code
+                    code = guard.code = node.exit_code or code
+                guard.step = "ROS teardown"
                 executor.shutdown(timeout_sec=1.0)
                 if node is not None:
                     node.destroy_node()
     finally:
         ros.context.destroy()  # the DDS participant and its shared-memory segments went with the node
     # ROS is shut down and nothing is left to clean up. The interpreter's own teardown would
-    # free torch and OpenMP state for seconds on a loaded machine (the launch SIGTERM deadline),
-    # and abort ("terminate called") under a worker still inside a model load that cannot be
-    # interrupted. Flush the logs and end the process here.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # abort ("terminate called") under a worker still inside a model load that cannot be
+    # interrupted.
+    exit_now(code)

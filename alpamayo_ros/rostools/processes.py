@@ -2,23 +2,18 @@
 
 The demo, the benchmarks and the tests run the drive node (and friends) as separate processes;
 SIGINT first, so rclpy shuts DDS down and leaves no shared-memory segments behind. The child's
-side of that contract is here too: a ROS tool whose work is done ends itself, exit code 0, when
-Fast DDS's teardown stalls, instead of outliving the parent's SIGINT wait.
+side of that contract (an exit that a stalled Fast DDS teardown cannot hold up) is
+ros/teardown.py.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
-from typing import Iterable, NoReturn
-
-logger = logging.getLogger(__name__)
+from typing import Iterable
 
 
 def start_console_script(
@@ -57,38 +52,3 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
     if log is not None:
         log.close()
     return process.returncode
-
-
-def exit_now(code: int) -> NoReturn:
-    """Flush the logs and end the process, skipping the interpreter's own teardown.
-
-    For a ROS tool whose ROS side is torn down (or stalled in teardown with its work done): the
-    interpreter's finalization sets SIGINT back to the default first and then takes a while, in
-    which a second Ctrl-C kills the process with -2 instead of the 0 the first one earned.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-class TeardownGuard:
-    """Ends the process with exit code 0 if the work after its last output outlives a budget.
-
-    The output is complete by then (a bag played, the frames published): a Fast DDS teardown that
-    stalls (a peer gone mid-handshake; seen in CI for over 15 s) must not keep a scripted run
-    waiting, or fail it after all is in. The warning names the program and the step that stalled.
-    """
-
-    def __init__(self, program: str, step: str) -> None:
-        self.program, self.step = program, step
-
-    def start(self, budget_s: float) -> None:
-        timer = threading.Timer(budget_s, self._expire, args=(budget_s,))
-        timer.daemon = True
-        timer.start()
-
-    def _expire(self, budget_s: float) -> None:
-        logger.warning("%s: %s still running %.0f s after the work was done; exiting anyway",
-                       self.program, self.step, budget_s)  # fmt: skip
-        exit_now(0)

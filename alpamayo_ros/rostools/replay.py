@@ -30,7 +30,7 @@ from rosgraph_msgs.msg import Clock
 
 from alpamayo_ros.eval.bags import kilted_typestore, message_class
 from alpamayo_ros.ros.convert import ns_to_stamp
-from alpamayo_ros.rostools.processes import TeardownGuard, exit_now
+from alpamayo_ros.ros.teardown import TeardownGuard, exit_now
 
 logger = logging.getLogger(__name__)
 
