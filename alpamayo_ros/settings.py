@@ -24,7 +24,15 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from alpamayo_ros.core.types import CAMERAS, EXPERT_QUANTIZATIONS, FRAMES_PER_CAMERA, NUM_HISTORY_POSES, SamplingSettings
+from alpamayo_ros.core.types import (
+    CAMERAS,
+    CASCADE_MODES,
+    EXPERT_QUANTIZATIONS,
+    FRAMES_PER_CAMERA,
+    NUM_HISTORY_POSES,
+    SPECULATION_METHODS,
+    SamplingSettings,
+)
 from alpamayo_ros.inputs.ego_history import EgoHistoryConfig
 from alpamayo_ros.inputs.frame_sync import FrameSyncConfig
 from alpamayo_ros.inputs.route import DEFAULT_MAX_ROUTE_CHARS
@@ -38,7 +46,6 @@ SELECTIONS = ("first", "medoid", "all")
 OUTPUT_FRAMES = ("ego", "odom")
 TRIGGERS = ("timer", "frames")
 BACKENDS = ("hf", "vllm", "remote")
-SPECULATION_METHODS = ("none", "plans", "ngram")  # core.backbone_vllm.SPECULATION_METHODS (torch-free here)
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -157,6 +164,12 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ),
     ParamSpec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
     ParamSpec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
+    ParamSpec(
+        "vllm.cascade_attention",
+        "off",
+        "When the samples of a plan (sampling.num_samples > 1) attend to their shared prompt in one pass per decode step (vLLM's cascade attention, FlashAttention backend): off (vLLM's default), auto (vLLM's heuristic decides) or on (whenever rows share a prompt). Sampled ids may differ from off by float rounding only.",
+        choices=CASCADE_MODES,
+    ),
     # speculative reasoning (core/vllm_adapter/speculation.py; EngineOptions checks the same)
     ParamSpec(
         "vllm.speculation.method",
@@ -561,6 +574,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         "quantization": v["vllm.quantization"] or None,
         "speculation_method": v["vllm.speculation.method"],
         "speculation_draft_tokens": v["vllm.speculation.draft_tokens"],
+        "cascade_attention": v["vllm.cascade_attention"],
     }
     if v["model.expert_quantization"] != "none":
         if v["model.backend"] == "remote":
@@ -580,6 +594,11 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
             raise ParameterError(
                 "vllm.speculation.method", "speculation runs only with vllm.tensor_parallel_size 1"
             )
+    if v["vllm.cascade_attention"] != "off" and v["model.backend"] != "vllm":
+        raise ParameterError(
+            "vllm.cascade_attention",
+            f"{v['vllm.cascade_attention']!r} needs model.backend vllm, got {v['model.backend']!r}",
+        )
     return DriveSettings(
         checkpoint_path=checkpoint,
         backend=v["model.backend"],

@@ -3,7 +3,9 @@
 Workloads (issue 7): W16 = cameras 0,1,2,6 x 4 frames of 1080x1920 RGB, 1 sample, reasoning forced
 to exactly 40 tokens, 10 Euler steps; W4 = the front camera only; "-fp8" = FP8 backbone weights
 and FP8 expert weights (kernel chosen for the GPU; --expert-quantization picks one, or none);
-"-s16" = 16 samples of each plan (upstream's num_traj_samples=16, the setting behind minADE@16).
+"-s16" = 16 samples of each plan (upstream's num_traj_samples=16, the setting behind minADE@16);
+"-s16-cascade" = the same with vllm.cascade_attention "on" (the rows' shared prompt attended once
+per decode step; set against W16-s16 in one run).
 Inputs stream as a node sees them at a 10 Hz plan rate: each plan brings one new frame per camera
 and shares the other three with the plan before (so frame caches work as in the node);
 "-fresh" = every frame of every plan is new (nothing can be reused).
@@ -87,6 +89,7 @@ class Workload:
     expert_quantization: str = "none"  # core.types.EXPERT_QUANTIZATIONS
     stream: bool = True  # consecutive plans share all but one frame per camera
     samples: int = 1  # trajectories (reasoning rows) per plan
+    cascade_attention: str = "off"  # core.types.CASCADE_MODES (vLLM, GPU)
 
 
 
@@ -95,6 +98,7 @@ WORKLOADS = {
     "W16": Workload(cameras=(0, 1, 2, 6)),
     "W16-fresh": Workload(cameras=(0, 1, 2, 6), stream=False),
     "W16-s16": Workload(cameras=(0, 1, 2, 6), samples=16),
+    "W16-s16-cascade": Workload(cameras=(0, 1, 2, 6), samples=16, cascade_attention="on"),
     "W16-fp8": Workload(cameras=(0, 1, 2, 6), quantization="fp8", expert_quantization="fp8"),
     "W4": Workload(cameras=(1,)),
     "smoke": Workload(cameras=(0, 1), height=270, width=480, reasoning_tokens=8),
@@ -440,6 +444,7 @@ def vllm_options(args: argparse.Namespace, workload: Workload) -> dict:
         "kv_cache_gib": args.kv_cache_gib,
         "quantization": workload.quantization,
         "mask_in_model": not args.token_mask,
+        "cascade_attention": workload.cascade_attention,
     }
 
 

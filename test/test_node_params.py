@@ -97,13 +97,14 @@ def test_defaults_with_cameras_parse(tmp_path: Path) -> None:
 def test_vllm_options_become_backend_options(tmp_path: Path) -> None:
     settings = parse_settings(
         defaults(
-            tmp_path, model__backend="vllm", model__dtype="bfloat16", vllm__quantization="fp8", vllm__max_model_len=4096
+            tmp_path, model__backend="vllm", model__dtype="bfloat16", vllm__quantization="fp8", vllm__max_model_len=4096,
+            vllm__cascade_attention="on",
         )
     )
     assert settings.backend_options == {
         "dtype": "bfloat16", "max_images": 12, "gpu_memory_utilization": 0.85, "kv_cache_gib": 2.0,
         "max_model_len": 4096, "tensor_parallel_size": 1, "enforce_eager": False, "quantization": "fp8",
-        "speculation_method": "none", "speculation_draft_tokens": 4,
+        "speculation_method": "none", "speculation_draft_tokens": 4, "cascade_attention": "on",
     }  # fmt: skip
     sized_by_fraction = parse_settings(defaults(tmp_path, model__backend="vllm", vllm__kv_cache_gib=0.0))
     assert sized_by_fraction.backend_options["kv_cache_gib"] is None  # 0 = let vLLM size it
@@ -124,6 +125,8 @@ def test_vllm_options_become_backend_options(tmp_path: Path) -> None:
         ({"history.length": 8}, "history.length"),
         ({"sampling.top_p": 2}, "sampling.top_p"),
         ({"vllm.enforce_eager": "yes"}, "vllm.enforce_eager"),
+        ({"vllm.cascade_attention": "always"}, "vllm.cascade_attention"),
+        ({"vllm.cascade_attention": "on"}, "vllm.cascade_attention"),  # the hf backend has no cascade
         ({"odometry.topic": ""}, "odometry.topic"),
     ],
 )

@@ -42,12 +42,9 @@ import torch
 from .backbone import PagedPrefix, PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
 from .config import AlpamayoConfig
 from .tokenizer import TokenIds
+from .types import CASCADE_MODES, SPECULATION_METHODS
 
 logger = logging.getLogger(__name__)
-
-#: EngineOptions.speculation_method values (vllm.speculation.method): off; drafts from the
-#: reasoning of the last plans; vLLM's n-gram lookup in the row's own prompt and output.
-SPECULATION_METHODS = ("none", "plans", "ngram")
 
 _DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "alpamayo_ros"
 
@@ -79,6 +76,9 @@ class EngineOptions:
     # output), and the tokens drafted per decode step. Exact either way: drafts are verified.
     speculation_method: str = "none"
     speculation_draft_tokens: int = 4
+    # Whether a multi-sample plan's rows attend to their shared prompt in one pass per step
+    # (vllm_adapter.cascade): "off" (vLLM's default), "auto" (vLLM's heuristic) or "on".
+    cascade_attention: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs", "max_images"):
@@ -94,6 +94,13 @@ class EngineOptions:
             raise ValueError(f"dtype: expected a floating torch dtype name, got {self.dtype!r}")
         if self.speculation_method not in SPECULATION_METHODS:
             raise ValueError(f"speculation_method: expected one of {SPECULATION_METHODS}, got {self.speculation_method!r}")
+        if self.cascade_attention not in CASCADE_MODES:
+            raise ValueError(f"cascade_attention: expected one of {CASCADE_MODES}, got {self.cascade_attention!r}")
+        if self.cascade_attention != "off" and not self.enable_prefix_caching:
+            raise ValueError(
+                f"cascade_attention {self.cascade_attention!r}: needs enable_prefix_caching (rows share their "
+                "prompt's blocks only through the prefix cache)"
+            )
         if self.speculation_draft_tokens < 1:
             raise ValueError(f"speculation_draft_tokens: must be >= 1, got {self.speculation_draft_tokens}")
         if self.speculation_method != "none":
@@ -167,6 +174,7 @@ class VLLMBackbone:
                 model_dir, self._sink, options, tp.engine_args() if tp else None, self.plan_history
             )
         except BaseException:
+            vllm_adapter.close_sink(self._sink)
             if self.plan_history is not None:
                 vllm_adapter.close_history(self.plan_history)
             raise

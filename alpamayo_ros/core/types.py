@@ -34,6 +34,11 @@ FRAME_SPACING_S = 0.1
 #: The action expert's weights: full precision, or FP8 copies with the kernel chosen for the
 #: device or named (core/fp8_linear.py).
 EXPERT_QUANTIZATIONS = ("none", "fp8", "fp8_cutlass", "fp8_marlin", "fp8_scaled_mm", "fp8_dequant")
+#: Speculative reasoning on the vLLM backbone (core/vllm_adapter/speculation.py).
+SPECULATION_METHODS = ("none", "plans", "ngram")
+#: When the vLLM backbone's rows attend to their shared prompt in one pass
+#: (core/vllm_adapter/cascade.py).
+CASCADE_MODES = ("off", "auto", "on")
 #: Largest |R^T R - I| entry and |det R - 1| an ego-history rotation may show. Rotations from
 #: interpolated unit quaternions are orthonormal to float32 precision (~1e-6); 1e-3 leaves room
 #: for rounded JSON or single-precision round trips and still refuses a scaled, sheared or

@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import uvicorn
 
-from ..core.backbone_vllm import SPECULATION_METHODS
 from ..core.pipeline import BACKENDS, Pipeline
 from ..core.types import (
+    CASCADE_MODES,
     EXPERT_QUANTIZATIONS,
     FRAME_SPACING_S,
     FRAMES_PER_CAMERA,
     NUM_HISTORY_POSES,
+    SPECULATION_METHODS,
     DrivingInput,
     SamplingSettings,
 )
@@ -91,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculation", choices=SPECULATION_METHODS, default="none",
                         help="vLLM backend: speculative reasoning (vllm.speculation.method of the node)")
     parser.add_argument("--speculation-draft-tokens", type=int, default=4, help="vLLM backend: tokens drafted per step")
+    parser.add_argument("--cascade-attention", choices=CASCADE_MODES, default="off",
+                        help="vLLM backend: samples attend to their shared prompt in one pass (vllm.cascade_attention of "
+                             "the node)")
     parser.add_argument("--sidecar-settings", type=json.loads, default={},
                         help="JSON SamplingSettings fields for /predict (FlashDrive sidecar protocol), e.g. "
                              f"'{{\"flow_steps\": 8}}'; default {json.dumps(dataclasses.asdict(SIDECAR_SETTINGS))}")
@@ -110,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
             options["enforce_eager"] = True
         if args.speculation != "none":
             options.update(speculation_method=args.speculation, speculation_draft_tokens=args.speculation_draft_tokens)
-    elif args.speculation != "none":
-        logger.error("--speculation %s: needs --backend vllm, got %s", args.speculation, args.backend)
-        return 2
+        if args.cascade_attention != "off":
+            options["cascade_attention"] = args.cascade_attention
+    else:
+        for flag, value in (("--speculation", args.speculation), ("--cascade-attention", args.cascade_attention)):
+            if value not in ("none", "off"):
+                logger.error("%s %s: needs --backend vllm, got %s", flag, value, args.backend)
+                return 2
 
     def load() -> Pipeline:
         started = time.perf_counter()

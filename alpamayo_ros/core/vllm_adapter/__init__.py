@@ -9,6 +9,7 @@
 * mask: the <i*> mask as a per-request logits processor (TokenMask), for a minimum length
   below the maximum;
 * engine: the in-process engine and its request loop (with upstream's stop rule as an abort);
+* cascade: a multi-sample plan's rows attending to their shared prompt in one pass;
 * speculation: speculative reasoning, drafted from earlier plans' rows and verified by the
   model, and the per-request acceptance counts;
 * tp: tensor parallel, the expert inside vLLM's workers (imported only for N > 1);

@@ -25,6 +25,8 @@ from vllm.sampling_params import RequestOutputKind
 
 from ..types import PlanCancelled
 from .capture import CapturedKV, CaptureSink, HeldKV
+from .cascade import engine_args as cascade_args
+from .cascade import force_cascade
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
 from .speculation import HISTORY_KEY, PlanHistory, take_counts
@@ -65,6 +67,7 @@ def create_engine(
             raise ValueError("speculation_method 'plans': create_engine needs the PlanHistory to draft from")
         transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
     extra.update(speculation_args(options.speculation_method, options.speculation_draft_tokens))
+    extra.update(cascade_args(options.cascade_attention))
     llm = LLM(
         model=str(model_dir),
         dtype=options.dtype,
@@ -87,6 +90,12 @@ def create_engine(
         **extra,
         **(engine_args or {}),
     )
+    if options.cascade_attention == "on":
+        try:
+            force_cascade(llm)
+        except BaseException:
+            shutdown_engine(llm)
+            raise
     core = llm.llm_engine.engine_core.engine_core
     if getattr(core, "request_block_hasher", None) is not None:
         core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
