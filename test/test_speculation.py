@@ -155,6 +155,21 @@ def test_history_drafts_what_followed_the_longest_suffix() -> None:
     assert history.plans == 0 and history.propose(np.array([8, 2, 3]), 2) == []
 
 
+def test_repetitive_reasoning_drafts_whole_continuations() -> None:
+    """A row that repeats itself matches the row's suffix everywhere, also just before the row's
+    end, where one id follows; the draft comes from a place with k ids after it instead. (Random
+    weights reason like this: drafts cut to one or two ids made half the GPU's steps draft-free.)"""
+    history = PlanHistory()
+    history.record([90, 91], [[5] * 30])
+    assert history.propose(np.array([5] * 20), 4) == [5, 5, 5, 5]
+    history.record([90, 91], [[6, 7] * 15])  # a cycle: its phase decides the draft
+    assert history.propose(np.array([1] + [6, 7] * 10), 3) == [6, 7, 6]
+    assert history.propose(np.array([1] + [6, 7] * 10 + [6]), 3) == [7, 6, 7]
+    # a longer match still wins over one with more after it
+    history.record([], [[1, 2, 3, 4, 8], [9, 3, 4, 10, 11, 12, 13]])
+    assert history.propose(np.array([2, 3, 4]), 4) == [8]
+
+
 def test_scripted_rows_draft_the_asked_quality() -> None:
     context, reasoning, wrong = list(range(100, 100 + MAX_MATCH + 3)), list(range(1, 13)), 999
     for right in (0, 2, 4):

@@ -79,11 +79,14 @@ class PlanHistory:
 
     def propose(self, context: np.ndarray, k: int) -> list[int]:
         """Up to k ids that followed the longest suffix of context (MIN_MATCH..MAX_MATCH
-        tokens) in a remembered row; newest plan, then latest position, wins a tie."""
+        tokens) in a remembered row. Among equally long matches, one followed by k ids wins
+        (repetitive reasoning matches near a row's end too, where little follows), then the
+        newest plan, then the latest position."""
         tail = np.asarray(context[-MAX_MATCH:], dtype=np.int64)
         if tail.size < MIN_MATCH or k < 1:
             return []
-        best_length, best_row, best_end = 0, None, 0
+        best, best_row, best_end = (0, False), None, 0
+        done = (tail.size, True)  # nothing can beat a full-length match with k ids after it
         for plan in reversed(self._plans):
             for row in plan:
                 # positions p with row[p] == the last token and something after it
@@ -91,16 +94,16 @@ class PlanHistory:
                     span = min(int(end) + 1, tail.size)
                     window = row[end + 1 - span : end + 1]
                     differ = np.flatnonzero(window[::-1] != tail[::-1][:span])
-                    length = int(differ[0]) if differ.size else span
-                    if length > best_length:
-                        best_length, best_row, best_end = length, row, int(end)
-                        if length == tail.size:
+                    key = (int(differ[0]) if differ.size else span, row.size - int(end) - 1 >= k)
+                    if key > best:
+                        best, best_row, best_end = key, row, int(end)
+                        if best == done:
                             break
-                if best_length == tail.size:
+                if best == done:
                     break
-            if best_length == tail.size:
+            if best == done:
                 break
-        if best_row is None or best_length < MIN_MATCH:
+        if best_row is None or best[0] < MIN_MATCH:
             return []
         return best_row[best_end + 1 : best_end + 1 + k].tolist()
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The open GPU measurements as named steps, so a session's device time goes into few calls on one
+# warm machine. Each step runs under its own time guard, writes its JSON and log under $OUT and
+# prints its report; a failed or timed-out step does not stop the next. Run from the unpacked
+# snapshot (see bench/README.md, "On the lent H200"), e.g. in three calls of under 600 s:
+#   bash bench/gpu_session.sh parity w16            # ~9 min on a fresh machine
+#   bash bench/gpu_session.sh s16                   # ~6 min (W16-s16 and W16-s16-cascade)
+#   bash bench/gpu_session.sh speculation fp8       # ~9 min
+# Steps:
+#   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
+#   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
+#   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none)
+#   speculation  W16, 4 draft tokens: the four regimes, exact check, one traced plan per regime
+#   fp8          W16-fp8 on vLLM (FP8 backbone and expert)
+# Setup happens once per machine: the vLLM bundle into /tmp, the tokenizer wheels into /tmp/site,
+# the full-size random checkpoint into /tmp/ckpt (the first step that needs it writes it).
+set -uo pipefail
+: "${OUT:?set OUT to the output folder}"
+RUNS=${RUNS:-30}
+if [ ! -d /tmp/site/vllm ]; then
+  cat .gpu/bundle.tar.xz.part-* | xz -d -T0 | tar -C /tmp -x
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/gpu.txt"
+
+checkpoint() {  # reuse /tmp/ckpt once a step has written it whole (its shard index comes last)
+  if [ -f /tmp/ckpt/model.safetensors.index.json ]; then echo "--checkpoint /tmp/ckpt"; else echo "--full-size-dir /tmp/ckpt"; fi
+}
+
+report() {  # a step's log without vLLM's and torch's own lines
+  grep -v -E "^(INFO|DEBUG|WARNING|\[|[0-9]{4}-)|Loading|it/s\]" "$1" | tail -"${2:-60}" | cut -c1-240
+}
+
+step() {  # step NAME GUARD_S COMMAND...
+  local name=$1 guard=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$guard" "$@" > "$OUT/$name.log" 2>&1
+  local code=$?
+  echo "== $name: exit $code after $((SECONDS - start)) s (guard $guard s)"
+  report "$OUT/$name.log"
+}
+
+for name in "$@"; do
+  case $name in
+    parity) step parity 200 python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --out "$OUT/parity_auto.json" ;;
+    w16) step w16 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm,hf \
+           --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
+    s16) step s16 400 python3 bench/bench_pipeline.py --workload W16-s16,W16-s16-cascade $(checkpoint) \
+           --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
+    speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 --exact \
+           $(checkpoint) --runs "$RUNS" --json-dir "$OUT" --profile-dir "$OUT/prof" ;;
+    fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \
+           --runs "$RUNS" --json-dir "$OUT" ;;
+    *) echo "unknown step '$name' (parity, w16, s16, speculation, fp8)"; exit 2 ;;
+  esac
+done
