@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +55,36 @@ def test_plan_shapes_and_provenance(pipeline: Pipeline, scene) -> None:
         "expert", "action", "total",
     }
     assert plan.timings_ms["total"] >= plan.timings_ms["backbone"] > 0
+
+
+READ_ONLY_PLAN = """
+import pickle, sys, warnings
+from pathlib import Path
+from alpamayo_ros.core.pipeline import Pipeline
+from alpamayo_ros.core.types import SamplingSettings
+warnings.simplefilter("error")  # torch warns once per process: a fresh one sees the first
+inputs = pickle.loads(Path(sys.argv[2]).read_bytes())
+for array in (inputs.images, inputs.ego_history_xyz, inputs.ego_history_rot):
+    array.flags.writeable = False
+pipeline = Pipeline.from_checkpoint(sys.argv[1], backend="hf", device="cpu", dtype="float32")
+plan = pipeline.plan(inputs, SamplingSettings(num_samples=1, seed=4, max_reasoning_tokens=8))
+Path(sys.argv[3]).write_bytes(pickle.dumps(plan.xyz))
+"""
+
+
+def test_read_only_inputs_plan_as_writable_ones_without_a_warning(
+    pipeline: Pipeline, scene, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A server's request arrays are read-only views of its body: the plan is the same, and torch
+    warns about nothing (its non-writable-array warning would print once per server process)."""
+    (tmp_path / "inputs.pkl").write_bytes(pickle.dumps(scene))
+    result = subprocess.run(
+        [sys.executable, "-c", READ_ONLY_PLAN, str(tiny_checkpoint), str(tmp_path / "inputs.pkl"), str(tmp_path / "xyz.pkl")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    xyz = pickle.loads((tmp_path / "xyz.pkl").read_bytes())
+    np.testing.assert_array_equal(xyz, pipeline.plan(scene, SamplingSettings(num_samples=1, seed=4, **FAST)).xyz)
 
 
 def test_forced_reasoning_gives_its_coc(pipeline: Pipeline, scene, coc_ids: list[int]) -> None:

@@ -165,7 +165,7 @@ class Pipeline:
 
     def history_ids(self, inputs: DrivingInput) -> list[int]:
         """The 48 history token ids of the ego history."""
-        bins = self.history_tokenizer.encode(torch.from_numpy(inputs.ego_history_xyz).float())
+        bins = self.history_tokenizer.encode(torch.tensor(inputs.ego_history_xyz, dtype=torch.float32))
         return (bins + self.config.hist_token_start_idx).tolist()
 
     def driving_prompt(self, inputs: DrivingInput, images: PreprocessedImages) -> PromptInputs:
@@ -262,8 +262,9 @@ class Pipeline:
             # On the host: a few hundred scalars through ~100 tiny ops and a small SPD solve
             # take 0.2 ms there and ~3 ms as GPU kernel launches (bench/RESULTS.md). The rows
             # share one history, so its speed is fitted once for all of them.
-            hist_xyz = torch.from_numpy(inputs.ego_history_xyz)[None]
-            hist_rot = torch.from_numpy(inputs.ego_history_rot)[None]
+            # copies (a few hundred bytes): a request's arrays may be read-only views of its body
+            hist_xyz = torch.tensor(inputs.ego_history_xyz)[None]
+            hist_rot = torch.tensor(inputs.ego_history_rot)[None]
             action = action.float().cpu()
             xyz, rot = self.action_space.action_to_traj(action, hist_xyz, hist_rot)
             accel, curvature = self.action_space.denormalize(action)
