@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from alpamayo_ros.core.backbone_vllm import EngineOptions
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import SamplingSettings
-from alpamayo_ros.core.vllm_adapter.device_drafts import draft_from_history
+from alpamayo_ros.core.vllm_adapter.device_drafts import HistoryDraftKernel, draft_from_history
 from alpamayo_ros.core.vllm_adapter.speculation import (
     MAX_MATCH, MIN_MATCH, PlanHistory, scripted_row, unsplit_cpu_attention,
 )
@@ -203,6 +203,27 @@ def test_device_lookup_drafts_what_the_host_proposer_drafts() -> None:
     empty, none = draft_from_history(token_ids, lengths, torch.empty((0, 1), dtype=torch.int32),
                                      torch.empty(0, dtype=torch.int64), 4, room)  # fmt: skip
     assert (empty == -1).all() and (none == 0).all()
+
+
+def test_device_kernel_follows_the_history_and_the_model_length() -> None:
+    """HistoryDraftKernel, as vLLM's ngram_gpu proposer calls it: a recorded plan reaches the next
+    call (the mirror is refreshed), masked rows draft nothing, and no draft runs past the model's
+    length (its last position is for the token sampled after the drafts)."""
+    history = PlanHistory()
+    kernel = HistoryDraftKernel(history, k=3, max_model_len=12, device=torch.device("cpu"))
+    token_ids = torch.tensor([[1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]] * 3, dtype=torch.int32)
+    lengths = torch.tensor([3, 3, 3], dtype=torch.int32)
+    mask = torch.tensor([True, False, True])
+    drafts, counts = kernel(lengths, token_ids, mask)
+    assert counts.tolist() == [0, 0, 0]  # nothing remembered yet
+    history.record([9], [[2, 3, 4, 5, 6, 7]])
+    drafts, counts = kernel(lengths, token_ids, mask)
+    assert drafts[0].tolist() == [4, 5, 6] and counts.tolist() == [3, 0, 3]
+    token_ids[2, 3:10] = torch.tensor([4, 5, 6, 1, 2, 3, 4])
+    drafts, counts = kernel(torch.tensor([3, 3, 10], dtype=torch.int32), token_ids, mask)
+    assert drafts[2].tolist() == [5, -1, -1] and counts[2] == 1  # 12 - 10 - 1 = one id of room
+    history.clear()
+    assert kernel(lengths, token_ids, mask)[1].tolist() == [0, 0, 0]
 
 
 def test_the_device_proposer_needs_a_gpu(tiny_checkpoint: Path, tmp_path: Path) -> None:
