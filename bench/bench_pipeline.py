@@ -468,7 +468,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     settings = greedy_settings(workload)
     count = args.warmup + args.runs
     results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft,
-                     "proposer": args.speculation_proposer, "regimes": {}}  # fmt: skip
+                     "proposer": args.speculation_proposer, "reasoning_tokens": workload.reasoning_tokens,
+                     "samples": workload.samples, "regimes": {}}  # fmt: skip
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
@@ -503,7 +504,10 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
             "accepted_per_plan": float(np.mean([p.accepted_tokens for p in timed_plans])),
             "ids_equal": True,
             "max_xyz_diff_m": 0.0,
-        }
+            # per timed plan, for the step-cost fit (decode_step_fit)
+            "plans": {"decode_ms": stages["backbone.decode"], "drafted": [p.drafted_tokens for p in timed_plans],
+                      "accepted": [p.accepted_tokens for p in timed_plans]},
+        }  # fmt: skip
         if reference is not None:
             entry["ids_equal"] = all(p.generated_ids == r.generated_ids for p, r in zip(plans, reference))
             entry["max_xyz_diff_m"] = float(max(np.abs(p.xyz - r.xyz).max() for p, r in zip(plans, reference)))
@@ -564,6 +568,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
 
     results["seeded_repeat"] = seeded_twice(pipeline, first_window_history)
     pipeline.close()
+    results["decode_step_fit"] = decode_step_fit(results)
     return results
 
 
@@ -588,6 +593,13 @@ def print_speculation_report(results: dict) -> None:
         )
     repeat, plain = results["seeded_repeat"], results["seeded_repeat_without_speculation"]
     lines.append("")
+    fit = results["decode_step_fit"]
+    if fit is not None:
+        lines.append(
+            f"- decode per plan = {fit['constant_ms']:.1f} ms + {fit['step_ms']:.2f} ms x steps (least squares over "
+            f"{fit['plans']} speculating plans, steps = {results['reasoning_tokens'] - 1} - accepted); without "
+            f"speculation {fit['plain_step_ms']:.2f} ms a step"
+        )
     lines.extend(f"- {regime}: {gc_line(entry['gc'])}" for regime, entry in results["regimes"].items())
     lines.append(
         f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
@@ -596,6 +608,25 @@ def print_speculation_report(results: dict) -> None:
     )
     print("\n".join(lines))
     sys.stdout.flush()
+
+
+def decode_step_fit(results: dict) -> dict | None:
+    """decode ms = constant + step_ms x decode steps, fitted over every speculating plan of one
+    sample (a step past the first token either decodes one token or verifies a draft; each
+    accepted draft token saves one): whether a speculating engine pays per step, per plan, or
+    both. None where it cannot be fitted (several samples, or the steps never vary)."""
+    if results.get("samples", 1) != 1 or "reasoning_tokens" not in results:
+        return None
+    steps, decode = [], []
+    for regime, entry in results["regimes"].items():
+        if regime != "none" and "plans" in entry:
+            steps += [results["reasoning_tokens"] - 1 - accepted for accepted in entry["plans"]["accepted"]]
+            decode += entry["plans"]["decode_ms"]
+    if len(set(steps)) < 2:
+        return None
+    step_ms, constant_ms = np.polyfit(steps, decode, 1)
+    plain = results["regimes"]["none"]["stages_ms"]["backbone.decode"]["p50"] / (results["reasoning_tokens"] - 1)
+    return {"constant_ms": float(constant_ms), "step_ms": float(step_ms), "plans": len(steps), "plain_step_ms": plain}
 
 
 def write_profile(plan: Callable[[], object], path: Path, trace: Path | None = None) -> None:

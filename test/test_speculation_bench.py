@@ -29,6 +29,15 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     for entry in regimes.values():
         assert entry["stages_ms"]["backbone.decode"]["p50"] > 0 and entry["max_xyz_diff_m"] < 1e-3
     assert "| half |" in result.stdout
+    # each timed plan's decode and counts, and the line fitted through the speculating ones
+    assert all(len(entry["plans"]["decode_ms"]) == len(entry["plans"]["accepted"]) == 2 for entry in regimes.values())
+    assert [sum(regimes["same"]["plans"]["drafted"]) / 2] == [same["drafted_per_plan"]]
+    fit = report["decode_step_fit"]
+    steps = [report["reasoning_tokens"] - 1 - a for r in ("same", "wrong", "half") for a in regimes[r]["plans"]["accepted"]]
+    decode = [ms for r in ("same", "wrong", "half") for ms in regimes[r]["plans"]["decode_ms"]]
+    residual = [ms - fit["constant_ms"] - fit["step_ms"] * n for n, ms in zip(steps, decode)]
+    assert fit["plans"] == 6 and abs(sum(residual)) < 1e-6 * max(decode)  # least squares: residuals sum to 0
+    assert "ms x steps (least squares over 6 speculating plans" in result.stdout
     repeat = report["seeded_repeat"]  # temperature 0.6, a seed, the same history twice
     assert repeat["ids_equal"] and len(set(repeat["drafted"])) == 1 and repeat["drafted"][0] > 0
     plain = report["seeded_repeat_without_speculation"]
