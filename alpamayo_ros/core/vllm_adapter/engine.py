@@ -25,9 +25,9 @@ from vllm.sampling_params import RequestOutputKind
 
 from ..types import PlanCancelled
 from .capture import CapturedKV, CaptureSink, HeldKV
-from .device_drafts import install as install_device_drafts
 from .cascade import engine_args as cascade_args
 from .cascade import force_cascade
+from .device_drafts import install as install_device_drafts
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
 from .speculation import HISTORY_KEY, PlanHistory, take_counts
