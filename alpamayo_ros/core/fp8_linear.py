@@ -16,8 +16,9 @@ Kernels (one per layer, chosen when it is built):
 "auto" takes "cutlass/scaled_mm" where both run (cutlass up to CUTLASS_MAX_ROWS rows, scaled_mm
 above), else scaled_mm, else marlin, else dequant. On an H100, against bf16 in the same run
 (bench/EXPERT.md): 1 sample (64 rows) cutlass -4.4 ms, scaled_mm -2.0; 16 samples (1,024 rows)
-cutlass -1 to -6 ms, scaled_mm -22; Marlin lost at both sizes. (cutlass then quantised with
-vLLM's op, one more kernel per GEMM; it now shares scaled_mm's fused quantisation.)
+cutlass -1 to -6 ms, scaled_mm -22; Marlin lost at both sizes. (Those cutlass figures had its
+activations quantised by vLLM's own op, one kernel more per GEMM than the fused quantisation
+both kernels use here.)
 
 All of them are free of host syncs, so they run under torch.compile and inside CUDA graphs.
 """

@@ -92,7 +92,8 @@ def main(args: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a signal before ROS was up: nothing to tear down
         return 0
     signals.raises = False
-    code, node = 0, None
+    node = None
+    # the process's exit code lives in the guard, which exits with it should the teardown stall
     guard = TeardownGuard(NODE_NAME, step="stopping the inference worker")
     try:
         with ros:
@@ -109,14 +110,14 @@ def main(args: list[str] | None = None) -> int:
                     executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
             except (ParameterError, ParameterException) as exc:
                 rclpy.logging.get_logger(NODE_NAME).fatal(f"bad parameter, not starting: {exc}")
-                code = guard.code = 2
+                guard.code = 2
             except KeyboardInterrupt:  # a signal during the model stack's import
                 pass
             finally:
                 guard.start(TEARDOWN_BUDGET_S)
                 if node is not None:
                     node.close()
-                    code = guard.code = node.exit_code or code
+                    guard.code = node.exit_code or guard.code
                 guard.step = "ROS teardown"
                 executor.shutdown(timeout_sec=1.0)
                 if node is not None:
@@ -126,4 +127,4 @@ def main(args: list[str] | None = None) -> int:
     # ROS is shut down and nothing is left to clean up. The interpreter's own teardown would
     # abort ("terminate called") under a worker still inside a model load that cannot be
     # interrupted.
-    exit_now(code)
+    exit_now(guard.code)
