@@ -163,27 +163,32 @@ def test_drive_node_ctrl_c_logs_no_rosout_failure(tmp_path: Path, marker: str) -
 
 
 STALLED_TEARDOWN = """
-import logging, threading
+import ctypes, logging, threading
 from alpamayo_ros.ros.teardown import TeardownGuard
 logging.basicConfig(level=logging.INFO)
 TeardownGuard("stalled tool", step="ROS teardown", code=%d).start(1.0)
-threading.Event().wait()  # a teardown that never returns
+%s  # a teardown that never returns
 """
+#: how the teardown stalls: waiting with the interpreter lock free, or inside a C call that holds
+#: it (as rclpy's calls into Fast DDS do), where no Python thread can run again
+STALLS = {"lock free": "threading.Event().wait()", "lock held": "ctypes.PyDLL(None).sleep(600)"}
 
 
-@pytest.mark.parametrize("code", [0, 1])
-def test_a_stalled_teardown_ends_the_process_with_its_code(tmp_path: Path, code: int) -> None:
+@pytest.mark.parametrize(("stall", "code"), [("lock free", 0), ("lock free", 1), ("lock held", 0), ("lock held", 3)])
+def test_a_stalled_teardown_ends_the_process_with_its_code(tmp_path: Path, stall: str, code: int) -> None:
     """TeardownGuard (alpamayo_drive, bench_node's publisher, alpamayo-replay): the work is done,
     the teardown hangs, and the process still ends by itself with the code it earned (a node whose
-    model failed to load exits 1), naming the program and the stalled step, with every thread's
-    stack. No DDS participant here: the one a real stall leaves behind would stay in /dev/shm."""
+    model failed to load exits 1) and every thread's stack; where Python can still run, the log
+    names the program and the stalled step first. No DDS participant here: the one a real stall
+    leaves behind would stay in /dev/shm."""
     log = tmp_path / "stalled.log"
-    process = start_python(STALLED_TEARDOWN % code, env=ros_env(unique_domain_id()), log_path=log)
+    process = start_python(STALLED_TEARDOWN % (code, STALLS[stall]), env=ros_env(unique_domain_id()), log_path=log)
     try:
         assert wait_until(lambda: process.poll() is not None, timeout_s=CLEANUP_TIMEOUT_S), log.read_text()
     finally:
         returned = stop_process(process)
     text = log.read_text()
     assert returned == code, text
-    assert "stalled tool: ROS teardown still running 1 s after the work was done; exiting anyway" in text, text
     assert 'File "<string>", line 6 in <module>' in text, text  # the main thread's stalled line
+    named = "stalled tool: ROS teardown still running 1 s after the work was done; exiting anyway" in text
+    assert named == (stall == "lock free"), text
