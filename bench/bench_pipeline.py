@@ -18,7 +18,8 @@ own engine, the reference); then on one engine with vllm.speculation.method "pla
 the history holds this window's own reasoning (the upper bound: the last plan reasoned the same),
 (c) wrong = every draft is wrong from its first token (the overhead), (d) half = every draft is
 right for half its length. Each regime reports decode and total p50, drafted and accepted tokens
-per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`: exit 1 if not);
+per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`: exit 1 if not, or
+if (b) accepted no draft, as when the engine scheduled none);
 then one window is sampled twice (temperature 0.6, one seed) from the same history, to see
 whether seeded sampling repeats under speculation, and twice on (a)'s engine, to see whether it
 repeats without (the second plan of a window finds its prompt in vLLM's prefix cache either way).
@@ -39,6 +40,7 @@ import gzip
 import itertools
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--speculation: where drafts are looked up (device: on the GPU, vLLM scheduling "
                         "asynchronously; host: on the host, vLLM scheduling synchronously; auto: device on a GPU)")
     parser.add_argument("--exact", action="store_true",
-                        help="with --speculation: exit 1 when a regime's reasoning ids differ from no speculation")
+                        help="with --speculation: exit 1 when a regime's reasoning ids differ from no speculation "
+                        "or regime 'same' accepted no draft")
     parser.add_argument("--expert-quantization", choices=EXPERT_QUANTIZATIONS,
                         help="the expert's weights in every workload (default: the workload's; -fp8 ones: fp8)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
@@ -366,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.speculation:
             results = bench_speculation(name, args, checkpoint, dtype)
             print_speculation_report(results)
-            if args.exact and not all(r["ids_equal"] for r in results["regimes"].values()):
+            regimes = results["regimes"]
+            if args.exact and (not all(r["ids_equal"] for r in regimes.values()) or not regimes["same"]["accepted_per_plan"]):
                 status = 1
         else:
             results = bench_workload(name, args, checkpoint, config, dtype)
@@ -469,7 +473,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     count = args.warmup + args.runs
     results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft,
                      "proposer": args.speculation_proposer, "reasoning_tokens": workload.reasoning_tokens,
-                     "samples": workload.samples, "regimes": {}}  # fmt: skip
+                     "samples": workload.samples, "regimes": {},
+                     "vllm_use_v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "auto")}  # fmt: skip
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
@@ -510,7 +515,9 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
         }  # fmt: skip
         if reference is not None:
             entry["ids_equal"] = all(p.generated_ids == r.generated_ids for p, r in zip(plans, reference))
-            entry["max_xyz_diff_m"] = float(max(np.abs(p.xyz - r.xyz).max() for p, r in zip(plans, reference)))
+            # every plan's, warm-up included: one plan apart from the rest, or all alike?
+            entry["xyz_diff_m"] = [float(np.abs(p.xyz - r.xyz).max()) for p, r in zip(plans, reference)]
+            entry["max_xyz_diff_m"] = max(entry["xyz_diff_m"])
         return entry
 
     options = vllm_options(args, workload)
@@ -601,6 +608,11 @@ def print_speculation_report(results: dict) -> None:
             f"speculation {fit['plain_step_ms']:.2f} ms a step"
         )
     lines.extend(f"- {regime}: {gc_line(entry['gc'])}" for regime, entry in results["regimes"].items())
+    lines.extend(
+        f"- {regime}: dxyz per plan (m, warm-up first) {' '.join(f'{d:.1e}' for d in entry['xyz_diff_m'])}"
+        for regime, entry in results["regimes"].items() if "xyz_diff_m" in entry
+    )
+    lines.append(f"- VLLM_USE_V2_MODEL_RUNNER: {results.get('vllm_use_v2_model_runner', 'auto')}")
     lines.append(
         f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
         f"drafted {repeat['drafted']}, accepted {repeat['accepted']}; without speculation: ids equal "

