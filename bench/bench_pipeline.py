@@ -525,6 +525,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
                                         expert_quantization=workload.expert_quantization)
     reference, stages, collections = timed(pipeline, None, "none")
     results["regimes"]["none"] = {**summary(reference, stages, None), "gc": collections}
+    print_regime("none", results["regimes"]["none"])
     prompts = [
         pipeline.driving_prompt(inputs, pipeline.preprocess(inputs)).input_ids.tolist()
         for _, inputs in zip(range(count), synthetic_inputs(workload, seed=0))
@@ -568,6 +569,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
 
         plans, stages, collections = timed(pipeline, before_plan, regime)
         results["regimes"][regime] = {**summary(plans, stages, reference), "gc": collections}
+        print_regime(regime, results["regimes"][regime])
 
     def first_window_history() -> None:
         history.clear()
@@ -577,6 +579,18 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     pipeline.close()
     results["decode_step_fit"] = decode_step_fit(results)
     return results
+
+
+def print_regime(regime: str, entry: dict) -> None:
+    """A regime's line as soon as it is measured: a run cut short by its time limit still tells."""
+    stages = entry["stages_ms"]
+    diffs = " ".join(f"{d:.1e}" for d in entry.get("xyz_diff_m", []))
+    print(
+        f"regime {regime}: decode p50 {stages['backbone.decode']['p50']:.1f} ms, total p50 {stages['total']['p50']:.1f} ms, "
+        f"drafted/accepted per plan {entry['drafted_per_plan']:.1f}/{entry['accepted_per_plan']:.1f}, ids equal "
+        f"{entry['ids_equal']}, dxyz per plan (m) {diffs or '-'}",
+        flush=True,
+    )
 
 
 def print_speculation_report(results: dict) -> None:
