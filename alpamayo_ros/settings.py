@@ -31,6 +31,7 @@ from alpamayo_ros.core.types import (
     FRAMES_PER_CAMERA,
     NUM_HISTORY_POSES,
     SPECULATION_METHODS,
+    SPECULATION_PROPOSERS,
     SamplingSettings,
 )
 from alpamayo_ros.inputs.ego_history import EgoHistoryConfig
@@ -178,6 +179,12 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         choices=SPECULATION_METHODS,
     ),
     ParamSpec("vllm.speculation.draft_tokens", 4, 'Tokens drafted per decode step when vllm.speculation.method is not none.', minimum=1, maximum=16),
+    ParamSpec(
+        "vllm.speculation.proposer",
+        "auto",
+        "Where vllm.speculation.method plans looks its drafts up: host (vLLM then schedules synchronously), device (on the GPU inside vLLM's step; CUDA only) or auto (host, the measured one, until the device proposer is measured; README).",
+        choices=SPECULATION_PROPOSERS,
+    ),
     # cameras
     ParamSpec(
         "cameras.topics",
@@ -574,6 +581,7 @@ def parse_settings(values: Mapping[str, Any], *, check_paths: bool = True) -> Dr
         "quantization": v["vllm.quantization"] or None,
         "speculation_method": v["vllm.speculation.method"],
         "speculation_draft_tokens": v["vllm.speculation.draft_tokens"],
+        "speculation_proposer": v["vllm.speculation.proposer"],
         "cascade_attention": v["vllm.cascade_attention"],
     }
     if v["model.expert_quantization"] != "none":

@@ -51,7 +51,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from alpamayo_ros.core.backbone_vllm import SPECULATION_PROPOSERS
 from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.frame_key import frame_key
 from alpamayo_ros.core.pipeline import Pipeline
@@ -60,6 +59,7 @@ from alpamayo_ros.core.types import (
     EXPERT_QUANTIZATIONS,
     FRAME_SPACING_S,
     NUM_HISTORY_POSES,
+    SPECULATION_PROPOSERS,
     DrivingInput,
     SamplingSettings,
 )
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                         "wrong, half; see the module doc) instead of comparing backends")
     parser.add_argument("--speculation-proposer", choices=SPECULATION_PROPOSERS, default="auto",
                         help="--speculation: where drafts are looked up (device: on the GPU, vLLM scheduling "
-                        "asynchronously; host: on the host, vLLM scheduling synchronously; auto: device on a GPU)")
+                        "asynchronously; host: on the host, vLLM scheduling synchronously; auto: the node's default)")
     parser.add_argument("--exact", action="store_true",
                         help="with --speculation: exit 1 when a regime's reasoning ids differ from no speculation "
                         "or regime 'same' accepted no draft")

@@ -51,8 +51,8 @@ for name in "$@"; do
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
     s16) step s16 400 python3 bench/bench_pipeline.py --workload W16-s16,W16-s16-cascade $(checkpoint) \
            --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
-    speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 --exact \
-           $(checkpoint) --runs "$RUNS" --json-dir "$OUT" --profile-dir "$OUT/prof" ;;
+    speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
+           --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" --profile-dir "$OUT/prof" ;;
     speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
            --speculation-proposer host --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT/host" ;;
     fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \

