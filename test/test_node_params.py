@@ -104,7 +104,8 @@ def test_vllm_options_become_backend_options(tmp_path: Path) -> None:
     assert settings.backend_options == {
         "dtype": "bfloat16", "max_images": 12, "gpu_memory_utilization": 0.85, "kv_cache_gib": 2.0,
         "max_model_len": 4096, "tensor_parallel_size": 1, "enforce_eager": False, "quantization": "fp8",
-        "speculation_method": "none", "speculation_draft_tokens": 4, "cascade_attention": "on",
+        "speculation_method": "none", "speculation_draft_tokens": 4, "speculation_proposer": "auto",
+        "cascade_attention": "on",
     }  # fmt: skip
     sized_by_fraction = parse_settings(defaults(tmp_path, model__backend="vllm", vllm__kv_cache_gib=0.0))
     assert sized_by_fraction.backend_options["kv_cache_gib"] is None  # 0 = let vLLM size it
