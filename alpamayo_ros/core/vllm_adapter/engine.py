@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,8 @@ from ..types import PlanCancelled
 from .capture import CapturedKV, CaptureSink, HeldKV
 from .cascade import engine_args as cascade_args
 from .cascade import force_cascade
-from .device_drafts import install as install_device_drafts
+from .device_drafts import check as check_device_drafts
+from .device_drafts import drafting_from
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
 from .speculation import HISTORY_KEY, PlanHistory, take_counts
@@ -72,7 +74,25 @@ def create_engine(
         speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
     )
     extra.update(cascade_args(options.cascade_attention))
-    llm = LLM(
+    with drafting_from(history) if drafts_on_device else nullcontext():
+        llm = _start(model_dir, options, transfer, {**extra, **(engine_args or {})})
+    try:
+        if options.cascade_attention == "on":
+            force_cascade(llm)
+        if drafts_on_device:
+            check_device_drafts(llm)
+    except BaseException:
+        shutdown_engine(llm)
+        raise
+    core = llm.llm_engine.engine_core.engine_core
+    if getattr(core, "request_block_hasher", None) is not None:
+        core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
+    return llm
+
+
+def _start(model_dir: Path, options: Any, transfer: dict[str, Any], extra: dict[str, Any]) -> LLM:
+    """vllm.LLM with the settings every engine of ours shares, and extra on top."""
+    return LLM(
         model=str(model_dir),
         dtype=options.dtype,
         max_model_len=options.max_model_len,
@@ -92,20 +112,7 @@ def create_engine(
         logits_processors=None if options.mask_in_model else [f"{TokenMask.__module__}:{TokenMask.__name__}"],
         kv_transfer_config=transfer,
         **extra,
-        **(engine_args or {}),
     )
-    try:
-        if options.cascade_attention == "on":
-            force_cascade(llm)
-        if drafts_on_device:
-            install_device_drafts(llm, history)
-    except BaseException:
-        shutdown_engine(llm)
-        raise
-    core = llm.llm_engine.engine_core.engine_core
-    if getattr(core, "request_block_hasher", None) is not None:
-        core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
-    return llm
 
 
 def _drafts_on_device(proposer: str) -> bool:

@@ -280,7 +280,7 @@ def take_counts(request_ids: Sequence[str]) -> tuple[int, int]:
 def engine_args(method: str, draft_tokens: int, *, on_device: bool = False) -> dict[str, Any]:
     """vllm.LLM arguments for a speculation method (EngineOptions.speculation_method, already
     checked) drafting draft_tokens per step; none for "none". on_device: "plans" drafts through
-    vLLM's ngram_gpu path (device_drafts.install then swaps its lookup for the history's)."""
+    vLLM's ngram_gpu path (with its lookup kernel the history's: device_drafts.drafting_from)."""
     if method == "none":
         return {}
     lookup = {"prompt_lookup_min": MIN_MATCH, "prompt_lookup_max": MAX_MATCH}
