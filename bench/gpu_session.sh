@@ -10,9 +10,11 @@
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
 #   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none)
-#   speculation  W16, 4 draft tokens: the four regimes, exact check, one traced plan per regime
-#                (drafts looked up on the GPU, vLLM scheduling asynchronously)
+#   speculation  W16, 4 draft tokens: the four regimes, exact check, drafts looked up on the GPU
+#                (vLLM scheduling asynchronously); bench_pipeline's --profile-dir adds traces, more
+#                files than one call brings back
 #   speculation-host  the same with drafts looked up on the host (vLLM scheduling synchronously)
+#   speculation-fp8   the device regimes on W16-fp8 (FP8 backbone and expert)
 #   fp8          W16-fp8 on vLLM (FP8 backbone and expert)
 # Setup happens once per machine: the vLLM bundle into /tmp, the tokenizer wheels into /tmp/site,
 # the full-size random checkpoint into /tmp/ckpt (the first step that needs it writes it).
@@ -52,11 +54,13 @@ for name in "$@"; do
     s16) step s16 400 python3 bench/bench_pipeline.py --workload W16-s16,W16-s16-cascade $(checkpoint) \
            --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
     speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
-           --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" --profile-dir "$OUT/prof" ;;
+           --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
            --speculation-proposer host --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT/host" ;;
+    speculation-fp8) step speculation-fp8 420 python3 bench/bench_pipeline.py --workload W16-fp8 --speculation 4 \
+           --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \
            --runs "$RUNS" --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, fp8)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, speculation-fp8, fp8)"; exit 2 ;;
   esac
 done
