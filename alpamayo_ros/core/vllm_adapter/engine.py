@@ -32,7 +32,7 @@ from .device_drafts import check as check_device_drafts
 from .device_drafts import drafting_from
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
-from .speculation import HISTORY_KEY, PlanHistory, take_counts
+from .speculation import HISTORY_KEY, PlanHistory, count_acceptance, take_counts
 from .speculation import engine_args as speculation_args
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ def create_engine(
     core = llm.llm_engine.engine_core.engine_core
     if getattr(core, "request_block_hasher", None) is not None:
         core.request_block_hasher = _RepeatedPromptHasher(core.request_block_hasher)
+    if options.speculation_method != "none":
+        count_acceptance(core.scheduler)
     return llm
 
 

