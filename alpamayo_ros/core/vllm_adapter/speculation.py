@@ -195,8 +195,9 @@ def count_acceptance(scheduler: Any) -> None:
     step. The engine's own scheduler is wrapped rather than replaced by a class of ours: vLLM
     picks its asynchronous scheduler for the device proposer, and only that one schedules the
     draft positions the GPU fills (a subclass of the synchronous one drafted nothing there).
-    Under asynchronous scheduling the verified count is the positions scheduled, whether or
-    not a draft was found for them.
+    Under asynchronous scheduling the drafted count is the positions scheduled, whether or
+    not the GPU found a draft for them (the worker drops empty ones from its own copy of the
+    step, which the scheduler does not see).
     """
     make = scheduler.make_spec_decoding_stats
 
