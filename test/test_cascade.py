@@ -8,6 +8,7 @@ has no cascade, refuses "on" by its backend's name and leaves no engine behind.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ import pytest
 from alpamayo_ros.core.backbone_vllm import EngineOptions
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import SamplingSettings
-from alpamayo_ros.core.vllm_adapter.cascade import MIN_PREFIX, engine_args, shared_prefix_cascade
+from alpamayo_ros.core.vllm_adapter.cascade import MIN_PREFIX, V2_RUNNER, engine_args, environment, shared_prefix_cascade
+from alpamayo_ros.core.vllm_adapter.environment import vllm_environment
 
 ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1.0)
 
@@ -56,6 +58,29 @@ def test_modes_are_checked_by_name() -> None:
         EngineOptions(cascade_attention="on", enable_prefix_caching=False)
 
 
+def test_cascading_engines_start_on_vllms_v1_runner_and_leave_the_environment_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's V2 model runner has no cascade attention: auto and on start their engine with the
+    V1 runner asked for, even after an engine cached vLLM's environment, and the variable is back
+    to what it was afterwards, cached again; off changes nothing."""
+    from vllm import envs
+
+    monkeypatch.delenv(V2_RUNNER, raising=False)
+    assert environment("off") == {}
+    envs.enable_envs_cache()  # as an engine started earlier in this process leaves it
+    for mode in ("auto", "on"):
+        with vllm_environment(environment(mode)):
+            assert envs.VLLM_USE_V2_MODEL_RUNNER is False
+        assert V2_RUNNER not in os.environ and envs.VLLM_USE_V2_MODEL_RUNNER is None
+        assert envs._is_envs_cache_enabled()
+    monkeypatch.setenv(V2_RUNNER, "1")
+    envs.disable_envs_cache()
+    with vllm_environment(environment("auto")):
+        assert envs.VLLM_USE_V2_MODEL_RUNNER is False
+    assert os.environ[V2_RUNNER] == "1" and envs.VLLM_USE_V2_MODEL_RUNNER is True
+
+
 def test_cpu_refuses_on_by_backend_and_keeps_no_engine(
     tiny_checkpoint: Path, tmp_path: Path, make_driving_input
 ) -> None:
@@ -68,7 +93,9 @@ def test_cpu_refuses_on_by_backend_and_keeps_no_engine(
     with pytest.raises(ValueError, match=r"^cascade_attention 'on': needs vLLM's FLASH_ATTN attention backend; "
                                          r"this engine uses \['CPU_ATTN'\]"):  # fmt: skip
         load("on")
+    runner = os.environ.get(V2_RUNNER)
     pipeline = load("auto")  # vLLM's heuristic: accepted, and never cascades on the CPU
+    assert os.environ.get(V2_RUNNER) == runner  # V1 asked for while the engine started, not after
     try:
         settings = SamplingSettings(num_samples=2, temperature=0.6, top_p=0.98, max_reasoning_tokens=8,
                                     flow_steps=2, seed=5)  # fmt: skip

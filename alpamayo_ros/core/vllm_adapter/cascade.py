@@ -15,6 +15,12 @@ prompt on a 132-SM GPU that model predicts a tie, so it never runs. Modes:
   context parallel). A cascaded step runs its attention outside the full CUDA graph (vLLM
   falls back to the piecewise one), which the measurement must pay for.
 
+Only vLLM's V1 model runner computes cascades: its V2 runner, which vLLM 0.26 picks by default
+for dense models, has no cascade attention at all, so neither vLLM's heuristic nor the forced
+decision would ever be asked (a run with "on" measured the same 16-row decode as "off"). Modes
+other than off therefore start the engine on the V1 runner (environment) and refuse an engine
+whose runner cannot cascade (check).
+
 The attention sums the prefix and each row's own part separately, so the K/V and the sampled
 ids may differ from a plain step by float rounding only.
 """
@@ -33,6 +39,8 @@ MIN_PREFIX = 256
 MIN_ROWS = 2
 #: The attention backend (its get_name()) whose builders can cascade.
 FLASH_ATTN = "FLASH_ATTN"
+#: vLLM's switch between its model runners; "0" is V1, the one with cascade attention.
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def engine_args(mode: str) -> dict[str, Any]:
@@ -40,6 +48,11 @@ def engine_args(mode: str) -> dict[str, Any]:
     if mode not in CASCADE_MODES:
         raise ValueError(f"cascade_attention: expected one of {CASCADE_MODES}, got {mode!r}")
     return {"disable_cascade_attn": mode == "off"}
+
+
+def environment(mode: str) -> dict[str, str]:
+    """The vLLM environment an engine of this mode starts in (environment.vllm_environment)."""
+    return {} if mode == "off" else {V2_RUNNER: "0"}
 
 
 def shared_prefix_cascade(
@@ -85,3 +98,21 @@ def force_cascade(llm: Any) -> None:
     for forced, others in llm.collective_rpc(_force_in_worker):
         if not forced:
             raise ValueError(f"cascade_attention 'on': needs vLLM's {FLASH_ATTN} attention backend; this engine uses {others}")
+
+
+def _cascading_runner(worker: Any) -> str:
+    """In one worker: the name of its model runner if that runner cannot cascade, else ""."""
+    runner = worker.model_runner
+    return "" if hasattr(runner, "_compute_cascade_attn_prefix_lens") else type(runner).__module__
+
+
+def check(llm: Any, mode: str) -> None:
+    """Refuse a started engine of mode auto or on whose model runner has no cascade attention."""
+    if mode == "off":
+        return
+    for runner in llm.collective_rpc(_cascading_runner):
+        if runner:
+            raise ValueError(
+                f"cascade_attention {mode!r}: vLLM's model runner here ({runner}) has no cascade attention; "
+                f"{V2_RUNNER}=0 (its V1 runner) was asked for"
+            )

@@ -26,10 +26,13 @@ from vllm.sampling_params import RequestOutputKind
 
 from ..types import PlanCancelled
 from .capture import CapturedKV, CaptureSink, HeldKV
+from .cascade import check as check_cascade
 from .cascade import engine_args as cascade_args
+from .cascade import environment as cascade_environment
 from .cascade import force_cascade
 from .device_drafts import check as check_device_drafts
 from .device_drafts import drafting_from
+from .environment import vllm_environment
 from .mask import MASK_KEY, MaskSpec, TokenMask
 from .model import register_architecture
 from .speculation import HISTORY_KEY, PlanHistory, count_acceptance, take_counts
@@ -74,11 +77,13 @@ def create_engine(
         speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
     )
     extra.update(cascade_args(options.cascade_attention))
-    with drafting_from(history) if drafts_on_device else nullcontext():
-        llm = _start(model_dir, options, transfer, {**extra, **(engine_args or {})})
+    with vllm_environment(cascade_environment(options.cascade_attention)):
+        with drafting_from(history) if drafts_on_device else nullcontext():
+            llm = _start(model_dir, options, transfer, {**extra, **(engine_args or {})})
     try:
         if options.cascade_attention == "on":
             force_cascade(llm)
+        check_cascade(llm, options.cascade_attention)
         if drafts_on_device:
             check_device_drafts(llm)
     except BaseException:

@@ -28,7 +28,6 @@ unsplit_cpu_attention makes both passes sum alike, and speculation bit-exact (th
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections import deque
 from contextlib import contextmanager
@@ -36,9 +35,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from vllm import envs
 from vllm.platforms import current_platform
 from vllm.v1.sample import rejection_sampler
+
+from .environment import vllm_environment
 
 #: Longest suffix of a row looked up in the history: long enough to tell two places of one
 #: reasoning apart, short enough that a lookup stays a few array compares per step.
@@ -311,18 +311,6 @@ def unsplit_cpu_attention() -> Iterator[None]:
     before any attention), which the expert carries to ~1e-4 m in a plan. Unsplit, both passes
     sum alike and the plans are identical. The split parallelises attention over long contexts
     of few rows; GPU engines ignore the variable.
-
-    NOTE: vLLM caches its environment once an engine has started (vllm.envs); the cache is
-    dropped on entry and exit so the engines inside, and those after, read the setting anew.
     """
-    before = os.environ.get(CPU_SPLIT_KV)
-    os.environ[CPU_SPLIT_KV] = "0"
-    envs.disable_envs_cache()
-    try:
+    with vllm_environment({CPU_SPLIT_KV: "0"}):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(CPU_SPLIT_KV, None)
-        else:
-            os.environ[CPU_SPLIT_KV] = before
-        envs.disable_envs_cache()
