@@ -9,7 +9,8 @@
 # Steps:
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
-#   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none)
+#   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
+#                both on vLLM's V1 model runner (cascade needs it), so only the cascade differs
 #   speculation  W16, 4 draft tokens: the four regimes, exact check, drafts looked up on the GPU
 #                (vLLM scheduling asynchronously); bench_pipeline's --profile-dir adds traces, more
 #                files than one call brings back
@@ -51,8 +52,8 @@ for name in "$@"; do
     parity) step parity 200 python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --out "$OUT/parity_auto.json" ;;
     w16) step w16 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm,hf \
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
-    s16) step s16 400 python3 bench/bench_pipeline.py --workload W16-s16,W16-s16-cascade $(checkpoint) \
-           --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
+    s16) step s16 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
+           --workload W16-s16,W16-s16-cascade $(checkpoint) --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
     speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
