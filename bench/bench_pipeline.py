@@ -581,10 +581,15 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     return results
 
 
+def xyz_diffs(entry: dict) -> str:
+    """A regime's per-plan trajectory differences from no speculation, warm-up first."""
+    return " ".join(f"{d:.1e}" for d in entry.get("xyz_diff_m", []))
+
+
 def print_regime(regime: str, entry: dict) -> None:
     """A regime's line as soon as it is measured: a run cut short by its time limit still tells."""
     stages = entry["stages_ms"]
-    diffs = " ".join(f"{d:.1e}" for d in entry.get("xyz_diff_m", []))
+    diffs = xyz_diffs(entry)
     print(
         f"regime {regime}: decode p50 {stages['backbone.decode']['p50']:.1f} ms, total p50 {stages['total']['p50']:.1f} ms, "
         f"drafted/accepted per plan {entry['drafted_per_plan']:.1f}/{entry['accepted_per_plan']:.1f}, ids equal "
@@ -623,7 +628,7 @@ def print_speculation_report(results: dict) -> None:
         )
     lines.extend(f"- {regime}: {gc_line(entry['gc'])}" for regime, entry in results["regimes"].items())
     lines.extend(
-        f"- {regime}: dxyz per plan (m, warm-up first) {' '.join(f'{d:.1e}' for d in entry['xyz_diff_m'])}"
+        f"- {regime}: dxyz per plan (m, warm-up first) {xyz_diffs(entry)}"
         for regime, entry in results["regimes"].items() if "xyz_diff_m" in entry
     )
     lines.append(f"- VLLM_USE_V2_MODEL_RUNNER: {results.get('vllm_use_v2_model_runner', 'auto')}")

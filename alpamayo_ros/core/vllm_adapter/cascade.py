@@ -108,7 +108,7 @@ def _cascading_runner(worker: Any) -> str:
 
 def check(llm: Any, mode: str) -> None:
     """Refuse a started engine of mode auto or on whose model runner has no cascade attention."""
-    if mode == "off":
+    if not environment(mode):  # off: whatever runner vLLM chose
         return
     for runner in llm.collective_rpc(_cascading_runner):
         if runner:
