@@ -11,7 +11,7 @@
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
 #   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
 #                both on vLLM's V1 model runner (cascade needs it), so only the cascade differs
-#   speculation  W16, 4 draft tokens: the four regimes, exact check, drafts looked up on the GPU
+#   speculation  W16, $DRAFT draft tokens (default 4): the four regimes, exact check, drafts looked up on the GPU
 #                (vLLM scheduling asynchronously); bench_pipeline's --profile-dir adds traces, more
 #                files than one call brings back
 #   speculation-host  the same with drafts looked up on the host (vLLM scheduling synchronously)
@@ -22,6 +22,7 @@
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
 RUNS=${RUNS:-30}
+DRAFT=${DRAFT:-4}  # draft tokens per step of the speculation steps
 if [ ! -d /tmp/site/vllm ]; then
   cat .gpu/bundle.tar.xz.part-* | xz -d -T0 | tar -C /tmp -x
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -54,11 +55,11 @@ for name in "$@"; do
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
     s16) step s16 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
            --workload W16-s16,W16-s16-cascade $(checkpoint) --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
-    speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
+    speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" \
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
-    speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation 4 \
+    speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" \
            --speculation-proposer host --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT/host" ;;
-    speculation-fp8) step speculation-fp8 420 python3 bench/bench_pipeline.py --workload W16-fp8 --speculation 4 \
+    speculation-fp8) step speculation-fp8 420 python3 bench/bench_pipeline.py --workload W16-fp8 --speculation "$DRAFT" \
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \
            --runs "$RUNS" --json-dir "$OUT" ;;
