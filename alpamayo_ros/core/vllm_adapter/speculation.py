@@ -195,9 +195,8 @@ def count_acceptance(scheduler: Any) -> None:
     step. The engine's own scheduler is wrapped rather than replaced by a class of ours: vLLM
     picks its asynchronous scheduler for the device proposer, and only that one schedules the
     draft positions the GPU fills (a subclass of the synchronous one drafted nothing there).
-    Under asynchronous scheduling the drafted count is the positions scheduled, whether or
-    not the GPU found a draft for them (the worker drops empty ones from its own copy of the
-    step, which the scheduler does not see).
+    Under asynchronous scheduling (the device proposer) the drafted count is the positions
+    scheduled, k a step, whether the history or the row's last id filled them (device_drafts).
     """
     make = scheduler.make_spec_decoding_stats
 
