@@ -38,6 +38,8 @@ from alpamayo_ros.settings import write_params_file  # noqa: F401 - the tests' p
 
 VENV_BIN = Path(sys.executable).parent
 MAX_DOMAIN_ID = 101  # ids above may collide with ephemeral ports on Linux
+#: How long RosSide.close waits for its spin thread to leave the executor (it may be starved of CPU).
+SPIN_EXIT_S = 10.0
 # Fast DDS transports must match on both sides: a LARGE_DATA participant and a default one
 # discover each other but exchange no data. LARGE_DATA keeps big best-effort images intact.
 TRANSPORTS = "LARGE_DATA"
@@ -184,10 +186,13 @@ class RosSide:
         return future.result().results
 
     def close(self) -> None:
+        """Stop spinning, then destroy. The spin thread must have left the executor's wait before
+        its node and context go: on a loaded machine it woke more than 2 s after shutdown(), and
+        destroying under it hung the process in rcl with the interpreter lock held."""
         self.executor.shutdown(timeout_sec=2.0)
+        self._thread.join(timeout=SPIN_EXIT_S)
         self.node.destroy_node()
         rclpy.shutdown(context=self.context)
-        self._thread.join(timeout=2.0)
 
 
 @dataclass
