@@ -209,7 +209,7 @@ class FramePublisher(SensorRig):
             self._log.flush()
 
 
-TEARDOWN_GUARD_S = 30.0  # half the bench's SIGINT wait for the publisher (STOP_TIMEOUT_S); a loaded 2-core machine took 11 s
+TEARDOWN_GUARD_S = 30.0  # half the bench's SIGINT wait for the publisher (STOP_TIMEOUT_S), over RosSide.close's own waits
 
 
 def run_publisher(config_path: Path) -> int:
