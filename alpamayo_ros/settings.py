@@ -182,7 +182,7 @@ PARAMETERS: tuple[ParamSpec, ...] = (
     ParamSpec(
         "vllm.speculation.proposer",
         "auto",
-        "Where vllm.speculation.method plans looks its drafts up: host (vLLM then schedules synchronously), device (on the GPU inside vLLM's step; CUDA only) or auto (host, the measured one, until the device proposer is measured; README).",
+        "Where vllm.speculation.method plans looks its drafts up: host (vLLM then schedules synchronously), device (on the GPU inside vLLM's step, vLLM scheduling ahead; CUDA only) or auto (device on a CUDA GPU, the faster one measured; host elsewhere; README).",
         choices=SPECULATION_PROPOSERS,
     ),
     # cameras

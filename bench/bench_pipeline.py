@@ -539,8 +539,10 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
         for _ in range(2):
             before_plan()
             repeats.append(pipeline.plan(window, sampled))
+        first, second = (plan.generated_ids for plan in repeats)
         return {
-            "ids_equal": repeats[0].generated_ids == repeats[1].generated_ids,
+            "ids_equal": first == second,
+            "first_difference": first_difference(first, second),
             "drafted": [plan.drafted_tokens for plan in repeats],
             "accepted": [plan.accepted_tokens for plan in repeats],
         }
@@ -579,6 +581,17 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     pipeline.close()
     results["decode_step_fit"] = decode_step_fit(results)
     return results
+
+
+def first_difference(first: list[list[int]], second: list[list[int]]) -> list[int | None] | None:
+    """Per sample row, the first token index where two plans' ids differ (the shorter length if
+    one row is a prefix of the other, None for an equal row); None when the plans are equal."""
+    if first == second:
+        return None
+    return [
+        None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b in zip(first, second)
+    ]
 
 
 def xyz_diffs(entry: dict) -> str:
@@ -633,8 +646,8 @@ def print_speculation_report(results: dict) -> None:
     )
     lines.append(f"- VLLM_USE_V2_MODEL_RUNNER: {results.get('vllm_use_v2_model_runner', 'auto')}")
     lines.append(
-        f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']}, "
-        f"drafted {repeat['drafted']}, accepted {repeat['accepted']}; without speculation: ids equal "
+        f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']} "
+        f"(first differing token per row {repeat['first_difference']}), drafted {repeat['drafted']}, accepted {repeat['accepted']}; without speculation: ids equal "
         f"{plain['ids_equal']}"
     )
     print("\n".join(lines))

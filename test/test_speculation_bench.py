@@ -6,7 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.bench_pipeline import first_difference
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_first_difference_names_the_token_per_row() -> None:
+    """What the seeded-repeat report prints when two plans of one window differ."""
+    assert first_difference([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]]) == [None, 1]
+    assert first_difference([[1, 2]], [[1, 2, 3]]) == [2]
+    assert first_difference([[1], [2]], [[1], [2]]) is None
 
 
 def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
@@ -40,6 +49,7 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     assert "ms x steps (least squares over 6 speculating plans" in result.stdout
     repeat = report["seeded_repeat"]  # temperature 0.6, a seed, the same history twice
     assert repeat["ids_equal"] and len(set(repeat["drafted"])) == 1 and repeat["drafted"][0] > 0
+    assert repeat["first_difference"] is None
     plain = report["seeded_repeat_without_speculation"]
     assert plain["ids_equal"] and plain["drafted"] == [0, 0]
     assert (tmp_path / "profile" / "smoke-speculation-half.txt").is_file()  # one traced plan per regime

