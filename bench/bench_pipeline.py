@@ -22,7 +22,8 @@ per plan, and whether its reasoning ids and trajectories equal (a)'s (`--exact`:
 if (b) accepted no draft, as when the engine scheduled none);
 then one window is sampled twice (temperature 0.6, one seed) from the same history, to see
 whether seeded sampling repeats under speculation, and twice on (a)'s engine, to see whether it
-repeats without (the second plan of a window finds its prompt in vLLM's prefix cache either way).
+repeats without (the second plan of a window finds its prompt in vLLM's prefix cache either way),
+and planned greedily twice there, to see whether a plan repeats at all.
 
     python bench/bench_pipeline.py --smoke
     python bench/bench_pipeline.py --workload W16 --backends vllm,hf --runs 50 --full-size-dir /tmp/ckpt
@@ -533,12 +534,12 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     window = next(synthetic_inputs(workload, seed=0))
     sampled = dataclasses.replace(settings, temperature=0.6, seed=7)
 
-    def seeded_twice(pipeline: Pipeline, before_plan: Callable[[], None]) -> dict:
-        """The window planned twice with seeded sampling (temperature 0.6): the same plan?"""
+    def planned_twice(pipeline: Pipeline, before_plan: Callable[[], None], how: SamplingSettings = sampled) -> dict:
+        """The window planned twice (by default with seeded sampling at temperature 0.6): the same plan?"""
         repeats = []
         for _ in range(2):
             before_plan()
-            repeats.append(pipeline.plan(window, sampled))
+            repeats.append(pipeline.plan(window, how))
         first, second = (plan.generated_ids for plan in repeats)
         return {
             "ids_equal": first == second,
@@ -547,7 +548,9 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
             "accepted": [plan.accepted_tokens for plan in repeats],
         }
 
-    results["seeded_repeat_without_speculation"] = seeded_twice(pipeline, lambda: None)
+    # greedy too: a plan that does not repeat greedily is not deterministic, whatever the drafts
+    results["greedy_repeat_without_speculation"] = planned_twice(pipeline, lambda: None, settings)
+    results["seeded_repeat_without_speculation"] = planned_twice(pipeline, lambda: None)
     pipeline.close()
     del pipeline
     free_memory()
@@ -577,7 +580,7 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
         history.clear()
         history.record(prompts[0][-PROMPT_TAIL:], reference[0].generated_ids)
 
-    results["seeded_repeat"] = seeded_twice(pipeline, first_window_history)
+    results["seeded_repeat"] = planned_twice(pipeline, first_window_history)
     pipeline.close()
     results["decode_step_fit"] = decode_step_fit(results)
     return results
@@ -631,6 +634,7 @@ def print_speculation_report(results: dict) -> None:
             f"{entry['max_xyz_diff_m']:.2e} |"
         )
     repeat, plain = results["seeded_repeat"], results["seeded_repeat_without_speculation"]
+    greedy = results["greedy_repeat_without_speculation"]
     lines.append("")
     fit = results["decode_step_fit"]
     if fit is not None:
@@ -647,8 +651,10 @@ def print_speculation_report(results: dict) -> None:
     lines.append(f"- VLLM_USE_V2_MODEL_RUNNER: {results.get('vllm_use_v2_model_runner', 'auto')}")
     lines.append(
         f"- seeded sampling (temperature 0.6) twice from the same history: ids equal {repeat['ids_equal']} "
-        f"(first differing token per row {repeat['first_difference']}), drafted {repeat['drafted']}, accepted {repeat['accepted']}; without speculation: ids equal "
-        f"{plain['ids_equal']}"
+        f"(first differing token per row {repeat['first_difference']}), drafted {repeat['drafted']}, "
+        f"accepted {repeat['accepted']}; without speculation: ids equal {plain['ids_equal']} "
+        f"(first differing token per row {plain['first_difference']}); greedy twice without speculation: "
+        f"ids equal {greedy['ids_equal']}"
     )
     print("\n".join(lines))
     sys.stdout.flush()
