@@ -15,6 +15,8 @@
 #                (vLLM scheduling asynchronously); bench_pipeline's --profile-dir adds traces, more
 #                files than one call brings back
 #   speculation-host  the same with drafts looked up on the host (vLLM scheduling synchronously)
+#   speculation-trace the device regimes over 10 plans each, one plan per regime traced by the torch
+#                profiler, the tables and traces packed into one file (speculation-trace.tgz)
 #   speculation-fp8   the device regimes on W16-fp8 (FP8 backbone and expert)
 #   fp8          W16-fp8 on vLLM (FP8 backbone and expert)
 # Setup happens once per machine: the vLLM bundle into /tmp, the tokenizer wheels into /tmp/site,
@@ -59,10 +61,13 @@ for name in "$@"; do
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     speculation-host) step speculation-host 420 python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" \
            --speculation-proposer host --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT/host" ;;
+    speculation-trace) step speculation-trace 420 python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" \
+           --speculation-proposer device $(checkpoint) --runs 10 --json-dir "$OUT/trace" --profile-dir /tmp/prof
+         tar -C /tmp -czf "$OUT/speculation-trace.tgz" prof ;;
     speculation-fp8) step speculation-fp8 420 python3 bench/bench_pipeline.py --workload W16-fp8 --speculation "$DRAFT" \
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \
            --runs "$RUNS" --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, speculation-fp8, fp8)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8)"; exit 2 ;;
   esac
 done
