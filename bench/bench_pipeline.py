@@ -52,6 +52,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+if __package__ in (None, ""):  # run as a script: the repository root, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from alpamayo_ros.core.config import AlpamayoConfig
 from alpamayo_ros.core.frame_key import frame_key
 from alpamayo_ros.core.pipeline import Pipeline
@@ -64,6 +66,7 @@ from alpamayo_ros.core.types import (
     DrivingInput,
     SamplingSettings,
 )
+from bench.host_probes import GcPauses, PreprocessUsage, host_facts, host_line, summarize_host
 
 logger = logging.getLogger("bench")
 #: Largest gzipped chrome trace kept (a device call brings back only so much).
@@ -146,67 +149,6 @@ def synthetic_inputs(workload: Workload, seed: int) -> Iterator[DrivingInput]:
             keys = [[] for _ in workload.cameras]
 
 
-# Python garbage-collector pauses during timed plans (gc.callbacks). Two figures have moved between
-# runs by 50-100 ms a plan without a known cause (preprocess's slow mode; a fixed cost of each
-# plan decoded with speculation), and a generation-2 collection over this process's heap (vLLM,
-# torch.compile) takes that long: recorded beside the plans, the same run shows whether they coincide.
-
-
-class GcPauses:
-    """Every collection while entered: (perf_counter start, seconds, generation)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[float, float, int]] = []
-        self._started = 0.0
-
-    def __enter__(self) -> GcPauses:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        if phase == "start":
-            self._started = now
-        else:
-            self.events.append((self._started, now - self._started, int(info["generation"])))
-
-    def within(self, start: float, end: float) -> list[dict[str, float]]:
-        """Collections that began in [start, end): offset from start and length in ms, generation."""
-        return [
-            {"at_ms": (began - start) * 1e3, "ms": seconds * 1e3, "generation": generation}
-            for began, seconds, generation in self.events
-            if start <= began < end
-        ]
-
-
-def gc_line(summary: dict[str, Any]) -> str:
-    """summarize_pauses' figures in one report line."""
-    per_plan = summary["gc_ms_per_plan"]
-    return (f"gc in timed plans: collections by generation {summary['collections']}, "
-            f"max {max(per_plan, default=0.0):.1f} ms in a plan; slow preprocesses {summary['slow_preprocess_plans']}, "
-            f"with a collection inside {summary['slow_preprocess_plans_with_gc_inside']}")
-
-
-def summarize_pauses(plans: list[dict[str, Any]]) -> dict[str, Any]:
-    """Over timed plans, each {"preprocess_ms": ..., "gc": within(...)}: collections per
-    generation, their ms per plan, and how many slow preprocesses (over twice the median) had a
-    collection start inside them (the plan's first stage, so its first preprocess_ms)."""
-    preprocess = sorted(plan["preprocess_ms"] for plan in plans)
-    median = preprocess[len(preprocess) // 2] if preprocess else 0.0
-    slow = [plan for plan in plans if plan["preprocess_ms"] > 2 * median]
-    return {
-        "collections": {str(g): sum(e["generation"] == g for p in plans for e in p["gc"]) for g in (0, 1, 2)},
-        "gc_ms_per_plan": [round(sum(e["ms"] for e in plan["gc"]), 2) for plan in plans],
-        "slow_preprocess_plans": len(slow),
-        "slow_preprocess_plans_with_gc_inside": sum(
-            any(e["at_ms"] < plan["preprocess_ms"] for e in plan["gc"]) for plan in slow
-        ),
-    }
-
-
 def percentiles(values: list[float]) -> dict[str, float]:
     array = np.asarray(values, dtype=np.float64)
     return {f"p{q}": float(np.percentile(array, q)) for q in (50, 90, 99)}
@@ -233,8 +175,8 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, 
     generated: list[int] = []
     in_use_peak = 0.0
     stream = synthetic_inputs(workload, seed=0)
-    collected = []  # per timed plan: its preprocess ms and the collections inside it
-    with GcPauses() as pauses:
+    collected = []  # per timed plan: its preprocess ms and usage, and the collections inside it
+    with GcPauses() as pauses, PreprocessUsage(pipeline) as usage:
         for index in range(warmup + runs):
             inputs = next(stream)
             if index == warmup:
@@ -255,14 +197,16 @@ def run_backend(pipeline: Pipeline, workload: Workload, runs: int, warmup: int, 
             for stage, ms in plan.timings_ms.items():
                 stages.setdefault(stage, []).append(ms)
             stages.setdefault("wall", []).append((end - start) * 1e3)
-            collected.append({"preprocess_ms": plan.timings_ms["preprocess"], "gc": pauses.within(start, end)})
+            collected.append({"preprocess_ms": plan.timings_ms["preprocess"], "gc": pauses.within(start, end),
+                              "preprocess_usage": usage.last()})
     result = {
         "stages_ms": {stage: percentiles(values) for stage, values in stages.items()},
         "generated_tokens": sorted(set(generated)),
         "runs": runs,
         "frames_reused": pipeline.frames.hits - hits,
         "frames_preprocessed": pipeline.frames.misses - misses,
-        "gc": summarize_pauses(collected),
+        "gc": summarize_host(collected),
+        "host": host_facts(),
     }
     if torch.cuda.is_available():
         result["gpu_in_use_peak_gib"] = in_use_peak
@@ -475,14 +419,15 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
     results: dict = {"workload": name, "device": args.device, "dtype": dtype, "draft_tokens": draft,
                      "proposer": args.speculation_proposer, "reasoning_tokens": workload.reasoning_tokens,
                      "samples": workload.samples, "regimes": {},
-                     "vllm_use_v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "auto")}  # fmt: skip
+                     "vllm_use_v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "auto"),
+                     "host": host_facts()}  # fmt: skip
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
     def timed(pipeline: Pipeline, before_plan: Callable[[int], None] | None, regime: str) -> tuple[list, dict, dict]:
-        """The stream's plans, the timed ones' stage ms, and the collections inside them."""
+        """The stream's plans, the timed ones' stage ms, and what the host did during them (host_probes)."""
         plans, stages, collected = [], {}, []
-        with GcPauses() as pauses:
+        with GcPauses() as pauses, PreprocessUsage(pipeline) as usage:
             for index, inputs in zip(range(count), synthetic_inputs(workload, seed=0)):
                 if before_plan is not None:
                     before_plan(index)
@@ -493,14 +438,14 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
                     for stage, ms in plan.timings_ms.items():
                         stages.setdefault(stage, []).append(ms)
                     collected.append({"preprocess_ms": plan.timings_ms["preprocess"],
-                                      "gc": pauses.within(start, time.perf_counter())})
+                                      "gc": pauses.within(start, time.perf_counter()), "preprocess_usage": usage.last()})
         if args.profile_dir:  # the last window planned once more, its history as before, traced
             if before_plan is not None:
                 before_plan(count - 1)
             window = next(itertools.islice(synthetic_inputs(workload, seed=0), count - 1, None))
             stem = args.profile_dir / f"{name}-speculation-{regime}"
             write_profile(lambda: pipeline.plan(window, settings), stem.with_suffix(".txt"), stem.with_suffix(".trace.json.gz"))
-        return plans, stages, summarize_pauses(collected)
+        return plans, stages, summarize_host(collected)
 
     def summary(plans: list, stages: dict, reference: list | None) -> dict:
         timed_plans = plans[args.warmup :]
@@ -643,7 +588,7 @@ def print_speculation_report(results: dict) -> None:
             f"{fit['plans']} speculating plans, steps = {results['reasoning_tokens'] - 1} - accepted); without "
             f"speculation {fit['plain_step_ms']:.2f} ms a step"
         )
-    lines.extend(f"- {regime}: {gc_line(entry['gc'])}" for regime, entry in results["regimes"].items())
+    lines.extend(f"- {regime}: {host_line(entry['gc'])}" for regime, entry in results["regimes"].items())
     lines.extend(
         f"- {regime}: dxyz per plan (m, warm-up first) {xyz_diffs(entry)}"
         for regime, entry in results["regimes"].items() if "xyz_diff_m" in entry
@@ -747,7 +692,7 @@ def print_report(results: dict) -> None:
             if isinstance(v, (int, float)) and k != "runs"
         )
         lines.append(f"- {backend}: runs={info['runs']}, generated tokens={info['generated_tokens']}, {extra}")
-        lines.append(f"  {gc_line(info['gc'])}")
+        lines.append(f"  {host_line(info['gc'])}")
         if "expert_memory" in info:
             memory = info["expert_memory"]
             lines.append(f"  expert sampler: {memory['shapes']} shapes, static states {memory['states_gib']:.3f} GiB, "

@@ -202,7 +202,7 @@ def test_gc_pauses_are_attributed_to_their_plan_and_its_preprocess() -> None:
     import gc
     import time
 
-    from bench.bench_pipeline import GcPauses, summarize_pauses
+    from bench.host_probes import GcPauses, summarize_host
 
     plans = []
     with GcPauses() as pauses:
@@ -214,6 +214,36 @@ def test_gc_pauses_are_attributed_to_their_plan_and_its_preprocess() -> None:
             plans.append({"preprocess_ms": preprocess_ms, "gc": pauses.within(start, time.perf_counter())})
     assert [len(plan["gc"]) for plan in plans] == [0, 0, 1]
     assert plans[2]["gc"][0]["generation"] == 2 and plans[2]["gc"][0]["at_ms"] < 50.0
-    summary = summarize_pauses(plans)
+    summary = summarize_host(plans)
     assert summary["collections"] == {"0": 0, "1": 0, "2": 1}
     assert (summary["slow_preprocess_plans"], summary["slow_preprocess_plans_with_gc_inside"]) == (1, 1)
+
+
+def test_preprocess_usage_records_each_call_and_leaves_the_method_as_it_was() -> None:
+    """Every preprocess call while entered gets its own usage; a call that touches fresh memory
+    shows the page faults, and summarize_host sets slow and fast calls' medians side by side."""
+    import mmap
+
+    from bench.host_probes import PreprocessUsage, host_line, summarize_host
+
+    class Owner:
+        def preprocess(self, megabytes: int) -> int:
+            if not megabytes:
+                return 0
+            with mmap.mmap(-1, megabytes << 20) as fresh:  # anonymous pages: one fault per page touched
+                for offset in range(0, megabytes << 20, mmap.PAGESIZE):
+                    fresh[offset] = 1
+            return megabytes
+
+    owner = Owner()
+    with PreprocessUsage(owner) as usage:
+        assert [owner.preprocess(mb) for mb in (0, 0, 64)] == [0, 0, 64]
+    assert "preprocess" not in vars(owner)  # the class's method again
+    assert len(usage.calls) == 3 and usage.last() is usage.calls[2]
+    pages = (64 << 20) // mmap.PAGESIZE
+    assert usage.calls[2]["minor_faults"] >= pages // 2 > usage.calls[0]["minor_faults"]
+    plans = [{"preprocess_ms": ms, "gc": [], "preprocess_usage": u} for ms, u in zip((1.0, 1.0, 50.0), usage.calls)]
+    medians = summarize_host(plans)["preprocess_usage_median"]
+    assert medians["slow"]["minor_faults"] == usage.calls[2]["minor_faults"]
+    assert medians["fast"]["minor_faults"] < medians["slow"]["minor_faults"]
+    assert "slow preprocess median" in host_line(summarize_host(plans))
