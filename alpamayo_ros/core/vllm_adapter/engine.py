@@ -73,6 +73,12 @@ def create_engine(
             raise ValueError("speculation_method 'plans': create_engine needs the PlanHistory to draft from")
         transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
     drafts_on_device = options.speculation_method == "plans" and _drafts_on_device(options.speculation_proposer)
+    if options.speculation_method != "none":
+        logger.info(
+            "speculation: %s, %d draft tokens a step%s", options.speculation_method, options.speculation_draft_tokens,
+            f", looked up on the {'device' if drafts_on_device else 'host'} (proposer {options.speculation_proposer})"
+            if options.speculation_method == "plans" else "",
+        )
     extra.update(
         speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
     )
