@@ -79,6 +79,12 @@ def create_engine(
             f", looked up on the {'device' if drafts_on_device else 'host'} (proposer {options.speculation_proposer})"
             if options.speculation_method == "plans" else "",
         )
+        if options.quantization:
+            logger.warning(
+                "speculation with quantization %r: on an H100 an FP8 backbone's greedy ids differed from the same "
+                "plans without speculation (README, speculative reasoning); compare a replayed bag before driving",
+                options.quantization,
+            )
     extra.update(
         speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
     )
