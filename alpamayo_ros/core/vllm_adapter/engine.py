@@ -74,17 +74,7 @@ def create_engine(
         transfer["kv_connector_extra_config"] = {**transfer["kv_connector_extra_config"], HISTORY_KEY: history.key}
     drafts_on_device = options.speculation_method == "plans" and _drafts_on_device(options.speculation_proposer)
     if options.speculation_method != "none":
-        logger.info(
-            "speculation: %s, %d draft tokens a step%s", options.speculation_method, options.speculation_draft_tokens,
-            f", looked up on the {'device' if drafts_on_device else 'host'} (proposer {options.speculation_proposer})"
-            if options.speculation_method == "plans" else "",
-        )
-        if options.quantization:
-            logger.warning(
-                "speculation with quantization %r: on an H100 an FP8 backbone's greedy ids differed from the same "
-                "plans without speculation (README, speculative reasoning); compare a replayed bag before driving",
-                options.quantization,
-            )
+        _log_speculation(options, drafts_on_device)
     extra.update(
         speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
     )
@@ -132,6 +122,21 @@ def _start(model_dir: Path, options: Any, transfer: dict[str, Any], extra: dict[
         kv_transfer_config=transfer,
         **extra,
     )
+
+
+def _log_speculation(options: Any, drafts_on_device: bool) -> None:
+    """Say at start which speculation runs, and warn where it was measured not to be exact."""
+    where = ""
+    if options.speculation_method == "plans":
+        where = f", drafts looked up on the {'device' if drafts_on_device else 'host'}"
+    logger.info("speculation: %s, %d draft tokens a step%s (proposer %s)", options.speculation_method,
+                options.speculation_draft_tokens, where, options.speculation_proposer)  # fmt: skip
+    if options.quantization:
+        logger.warning(
+            "speculation with quantization %r: on an H100 an FP8 backbone's greedy ids differed from the same "
+            "plans without speculation (README, speculative reasoning); compare a replayed bag before driving",
+            options.quantization,
+        )
 
 
 def _drafts_on_device(proposer: str) -> bool:
