@@ -319,6 +319,20 @@ def test_the_device_proposer_needs_a_gpu(tiny_checkpoint: Path, tmp_path: Path) 
         Pipeline.from_checkpoint(tiny_checkpoint, backend="vllm", dtype="float32", backend_options=options)
 
 
+def test_the_engine_says_which_speculation_runs_and_warns_on_fp8(caplog: pytest.LogCaptureFixture) -> None:
+    """The start log names the method, the draft length and where drafts are looked up; a quantized
+    backbone adds a warning (its greedy ids were measured to change under speculation)."""
+    from alpamayo_ros.core.vllm_adapter.engine import _log_speculation
+
+    with caplog.at_level("INFO", logger="alpamayo_ros.core.vllm_adapter.engine"):
+        _log_speculation(EngineOptions(speculation_method="plans", speculation_draft_tokens=3), False)
+        assert caplog.messages == ["speculation: plans, 3 draft tokens a step, drafts looked up on the host (proposer auto)"]
+        caplog.clear()
+        _log_speculation(EngineOptions(speculation_method="ngram", quantization="fp8"), False)
+    assert caplog.messages[0] == "speculation: ngram, 4 draft tokens a step (proposer auto)"
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"] and "'fp8'" in caplog.messages[1]
+
+
 def test_scripted_rows_draft_the_asked_quality() -> None:
     context, reasoning, wrong = list(range(100, 100 + MAX_MATCH + 3)), list(range(1, 13)), 999
     for right in (0, 2, 4):
