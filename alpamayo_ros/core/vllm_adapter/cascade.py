@@ -13,7 +13,8 @@ prompt on a 132-SM GPU that model predicts a tie, so it never runs. Modes:
 * on: whenever at least MIN_ROWS rows share at least vLLM's minimum prefix, with the same
   support checks as vLLM (no ALiBi, sliding window, chunked local attention or decode
   context parallel). A cascaded step runs its attention outside the full CUDA graph (vLLM
-  falls back to the piecewise one), which the measurement must pay for.
+  falls back to the piecewise one), which the measurement must pay for. On an H100 it did:
+  16 rows decoded 2.3x slower with "on" than "off" (bench/RESULTS.md), hence "off" by default.
 
 Only vLLM's V1 model runner computes cascades: its V2 runner, which vLLM 0.26 picks by default
 for dense models, has no cascade attention at all, so neither vLLM's heuristic nor the forced
