@@ -97,7 +97,9 @@ class _Slot:
     def to_json(self) -> dict[str, Any]:
         return {"worker": self.index, "host": self.host, "pids": self.pids, "bags": self.bags, "ticks": self.ticks,
                 "plans": self.plans, "busy_s": round(self.busy_s, 3), "deaths": self.deaths,
-                "plans_per_s": self.plans / self.busy_s if self.busy_s > 0 else None}
+                "plans_per_s": self.plans / self.busy_s if self.busy_s > 0 else None,
+                # a replacement for a dead worker was started but not ready when the bags ran out
+                "replacement_starting": bool(self.deaths) and self.info_ref is not None}
 
 
 def run_on_ray(jobs: Sequence[EvalJob], values: dict[str, Any], options: JobOptions, fleet: FleetOptions) -> RunSummary:
@@ -160,6 +162,8 @@ class _Driver:
         finally:
             self.bags_bar.close()
             self.ticks_bar.close()
+        if not self.summary.interrupted:
+            self._note_replacements()  # a replacement may be up without a poll since
         self.summary.workers = [s.to_json() for s in self.slots]
         return self.summary
 
@@ -234,8 +238,8 @@ class _Driver:
         self.summary.failures.append(failure)
         self.bags_bar.update(1)
 
-    def _show_progress(self) -> None:
-        """Tick counts of the jobs in flight (workers answer between their ticks); notes restarted workers."""
+    def _note_replacements(self) -> None:
+        """Record the workers that replaced dead ones and are ready now (no waiting)."""
         for slot in self.slots:
             if slot.info_ref is not None and ray.wait([slot.info_ref], timeout=0)[0]:
                 try:
@@ -243,6 +247,10 @@ class _Driver:
                 except RayError as exc:
                     logger.warning("worker %d: replacement did not start: %s", slot.index, exc)
                     slot.info_ref = None
+
+    def _show_progress(self) -> None:
+        """Tick counts of the jobs in flight (workers answer between their ticks); notes restarted workers."""
+        self._note_replacements()
         busy = [s for s in self.slots if s.ref is not None and s.info_ref is None]
         try:
             states = ray.get([s.actor.progress.remote() for s in busy], timeout=5 * POLL_S)

@@ -142,7 +142,8 @@ def write_markdown(path: Path, report: dict[str, Any], notes: Sequence[str] = ()
     if report.get("workers"):
         lines += ["", "## Ray workers", "", f"Worker deaths retried on another worker: {report.get('worker_deaths_retried', 0)}.",
                   "", "| worker | host | pids | bags | plans | busy (s) | plans/s | deaths |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {w['worker']} | {w['host']} | {', '.join(map(str, w['pids']))} | {w['bags']} | {w['plans']} | "
+        lines += [f"| {w['worker']} | {w['host']} | {', '.join(map(str, w['pids']))}"
+                  f"{' (replacement starting)' if w.get('replacement_starting') else ''} | {w['bags']} | {w['plans']} | "
                   f"{_fmt(w['busy_s'])} | {_fmt(w['plans_per_s'])} | {w['deaths']} |" for w in report["workers"]]
     if report["skipped"]:
         lines += ["", "## Skipped ticks", "", "| reason | count |", "|---|---|"]
