@@ -19,6 +19,8 @@
 #                profiler, the tables and traces packed into one file (speculation-trace.tgz)
 #   speculation-fp8   the device regimes on W16-fp8 (FP8 backbone and expert)
 #   fp8          W16-fp8 on vLLM (FP8 backbone and expert)
+#   fp8-marlin   W16-fp8 with vLLM's FP8 Marlin (weight-only, bf16 activations) in every backbone linear
+#                layer instead of its Hopper default (cutlass W8A8, activations quantised per token)
 #   gemm         bench.fp8_gemm_bench: the backbone's and the expert's GEMMs, bf16 against every FP8
 #                kernel vLLM offers, at decode, prefill and expert row counts (no model loaded)
 #   profile      bench.prefill_profile on W16: GPU time per stage of whole plans (vision tower, decoder
@@ -73,10 +75,12 @@ for name in "$@"; do
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
     fp8) step fp8 300 python3 bench/bench_pipeline.py --workload W16-fp8 $(checkpoint) --backends vllm \
            --runs "$RUNS" --json-dir "$OUT" ;;
+    fp8-marlin) step fp8-marlin 300 env VLLM_TEST_FORCE_FP8_MARLIN=1 python3 bench/bench_pipeline.py --workload W16-fp8 \
+           $(checkpoint) --backends vllm --runs "$RUNS" --json-dir "$OUT/marlin" ;;
     gemm) step gemm 200 python3 -m bench.fp8_gemm_bench --json-dir "$OUT" ;;
     profile) step profile 290 python3 -m bench.prefill_profile --workload W16 --full-size-dir /tmp/ckpt --json-dir "$OUT" ;;
     profile-fp8) step profile-fp8 290 python3 -m bench.prefill_profile --workload W16-fp8 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, gemm, profile, profile-fp8)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8)"; exit 2 ;;
   esac
 done
