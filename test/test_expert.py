@@ -478,39 +478,46 @@ class LinearWeights(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def assert_views_of_fused(attention) -> None:
-    """q/k/v_proj's weights (and biases) lie back to back in the fused tensors' memory."""
-    for kind in ("weight", "bias"):
-        fused = getattr(attention, f"qkv_{kind}")
-        parts = [getattr(p, kind) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
-        if parts[0] is None:
-            assert fused is None
-            continue
-        address = fused.data_ptr()
-        for part in parts:
-            assert part.data_ptr() == address and part.is_contiguous()
-            address += part.numel() * part.element_size()
-        assert address == fused.data_ptr() + fused.numel() * fused.element_size()
+TIED = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up", ("gate_proj", "up_proj")))
 
 
-def test_fused_qkv_weight_is_the_loaded_checkpoint(tiny_checkpoint: Path):
+def assert_views_of_fused(layer) -> None:
+    """Each tied group's weights (and biases) lie back to back in its fused tensors' memory:
+    q/k/v_proj's in self_attn.qkv_*, gate/up_proj's in mlp.gate_up_*."""
+    for module_name, fused_name, names in TIED:
+        module = getattr(layer, module_name)
+        for kind in ("weight", "bias"):
+            fused = getattr(module, f"{fused_name}_{kind}")
+            parts = [getattr(getattr(module, name), kind) for name in names]
+            if parts[0] is None:
+                assert fused is None
+                continue
+            address = fused.data_ptr()
+            for part in parts:
+                assert part.data_ptr() == address and part.is_contiguous()
+                address += part.numel() * part.element_size()
+            assert address == fused.data_ptr() + fused.numel() * fused.element_size()
+
+
+def test_fused_weights_are_the_loaded_checkpoint(tiny_checkpoint: Path):
     config = AlpamayoConfig.from_checkpoint(tiny_checkpoint)
     tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
     model = load_expert(config, dtype=torch.float32, device="cpu")
     for i, layer in enumerate(model.expert.layers):
-        attention = layer.self_attn
-        loaded = [tensors[f"expert.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"]
-        assert torch.equal(attention.qkv_weight, torch.cat(loaded))
-        assert_views_of_fused(attention)
-    assert not any("qkv" in name for name in model.state_dict())
+        for module_name, fused_name, names in TIED:
+            loaded = [tensors[f"expert.layers.{i}.{module_name}.{name}.weight"] for name in names]
+            assert torch.equal(getattr(getattr(layer, module_name), f"{fused_name}_weight"), torch.cat(loaded))
+        assert_views_of_fused(layer)
+    assert not any("qkv" in name or "gate_up" in name for name in model.state_dict())
 
 
 @pytest.mark.parametrize("change", ["cast", "deepcopy", "load", "load_assign"])
-def test_qkv_projections_stay_views_that_reach_the_fast_path(change):
+def test_tied_projections_stay_views_that_reach_the_fast_path(change):
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config(attention_bias=True)).eval()
     weights = {name: tensor + 0.01 for name, tensor in model.state_dict().items()}
-    fused_at = model.expert.layers[0].self_attn.qkv_weight.data_ptr()
+    first = model.expert.layers[0]
+    fused_at = first.self_attn.qkv_weight.data_ptr(), first.mlp.gate_up_weight.data_ptr()
     if change == "cast":
         model = model.double().float()
     elif change == "deepcopy":
@@ -519,19 +526,21 @@ def test_qkv_projections_stay_views_that_reach_the_fast_path(change):
         model.load_state_dict(weights, assign=change == "load_assign")
         assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
         if change == "load":  # copied in place: a captured CUDA graph stays valid
-            assert model.expert.layers[0].self_attn.qkv_weight.data_ptr() == fused_at
+            first = model.expert.layers[0]
+            assert (first.self_attn.qkv_weight.data_ptr(), first.mlp.gate_up_weight.data_ptr()) == fused_at
     cache = random_cache(2, 30, seed=1, offsets=[30, 24], deltas=[0, 2])
     x, t = noisy_action(2, seed=2)
     with torch.no_grad():
         for layer in model.expert.layers:
-            assert_views_of_fused(layer.self_attn)
+            assert_views_of_fused(layer)
             layer.self_attn.k_proj.weight.mul_(-1.0)  # in-place edits must reach the fused
             layer.self_attn.v_proj.bias.add_(0.5)  # tensors the fast path reads
+            layer.mlp.up_proj.weight.mul_(-1.0)
         fast = model.velocity_prepared(x, t, model.prepare(cache))
         assert (fast - model.velocity(x, t, cache)).abs().max() < 1e-5
 
 
-def test_both_paths_project_qkv_with_one_gemm_over_the_fused_weight():
+def test_both_paths_project_each_tied_group_with_one_gemm_over_the_fused_weight():
     torch.manual_seed(0)
     model = ActionExpertModel(tiny_config()).eval()
     cache = random_cache(1, 20, seed=1, offsets=[20], deltas=[0])
@@ -542,7 +551,8 @@ def test_both_paths_project_qkv_with_one_gemm_over_the_fused_weight():
             with LinearWeights() as seen:
                 run()
             for layer in model.expert.layers:
-                attention = layer.self_attn
-                separate = (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
-                assert sum(w is attention.qkv_weight for w in seen.weights) == 1
-                assert not any(w is p for w in seen.weights for p in separate)
+                for module_name, fused_name, names in TIED:
+                    module = getattr(layer, module_name)
+                    fused = getattr(module, f"{fused_name}_weight")
+                    assert sum(w is fused for w in seen.weights) == 1
+                    assert not any(w is getattr(module, name).weight for w in seen.weights for name in names)

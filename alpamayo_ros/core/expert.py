@@ -151,12 +151,63 @@ def _one_tensor_under(parts: Sequence[nn.Parameter], fused: torch.Tensor | None)
         part.data = piece
     return fused
 
-class ExpertAttention(nn.Module):
+
+class _RowTied(nn.Module):
+    """A module whose projections in each group of `_tied` are row slices of one tensor.
+
+    One GEMM over the fused tensor then computes the whole group (bench/EXPERT.md: q/k/v in
+    7.2 against 15.8 us a layer at full size) without a second copy of the weights, while
+    module names, state_dict keys and load_state_dict (which copies into the slices) stay
+    upstream's. Slices that are already tied keep their addresses, which captured CUDA graphs
+    hold. Subclasses call `_register_ties()` once their projections exist.
+    """
+
+    #: (name of the fused tensors, the nn.Linear projections they hold, in row order)
+    _tied: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def _register_ties(self) -> None:
+        # Unsaved buffers: the checkpoint keeps upstream's keys, whose tensors are slices.
+        for fused, _ in self._tied:
+            self.register_buffer(f"{fused}_weight", None, persistent=False)
+            self.register_buffer(f"{fused}_bias", None, persistent=False)
+        self._tie()
+        self.register_load_state_dict_post_hook(_RowTied._tie_after_load)
+
+    def _tie(self) -> None:
+        """Make each group's weights (and biases) row slices of one tensor, if not already."""
+        for fused, names in self._tied:
+            projections = [getattr(self, name) for name in names]
+            weight = _one_tensor_under([p.weight for p in projections], getattr(self, f"{fused}_weight"))
+            setattr(self, f"{fused}_weight", weight)
+            if projections[0].bias is not None:
+                bias = _one_tensor_under([p.bias for p in projections], getattr(self, f"{fused}_bias"))
+                setattr(self, f"{fused}_bias", bias)
+
+    @staticmethod
+    def _tie_after_load(module: _RowTied, _keys: object) -> None:
+        # load_state_dict(assign=True) replaces the parameters instead of copying into them.
+        module._tie()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # Casts and moves convert each parameter apart from the fused tensor: tie them again.
+        super()._apply(fn, recurse)
+        self._tie()
+        return self
+
+    def __setstate__(self, state: dict) -> None:
+        # deepcopy clones each parameter on its own.
+        super().__setstate__(state)
+        self._tie()
+
+
+class ExpertAttention(_RowTied):
     """GQA self-attention whose keys are [backbone cache layer ; own tokens].
 
     q, k and v come from one GEMM over the fused weight, of which upstream's q/k/v_proj
     weights are views; the K/V source (ConcatKV or PagedKV) stores the new K/V and attends.
     """
+
+    _tied = (("qkv", ("q_proj", "k_proj", "v_proj")),)
 
     def __init__(
         self,
@@ -178,50 +229,14 @@ class ExpertAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(head_dim, rms_norm_eps)
         self._qkv_rows = (q_dim, kv_dim, kv_dim)
-        # Unsaved: the checkpoint keeps upstream's q/k/v_proj keys, whose tensors are slices.
-        self.register_buffer("qkv_weight", None, persistent=False)
-        self.register_buffer("qkv_bias", None, persistent=False)
         self.qkv_fp8: Fp8Linear | None = None  # FP8 copies (quantize_fp8), used when set
         self.o_fp8: Fp8Linear | None = None
-        self._fuse_qkv()
-        self.register_load_state_dict_post_hook(ExpertAttention._fuse_after_load)
-
-    def _fuse_qkv(self) -> None:
-        """Make the q/k/v_proj weights (and biases) row slices of one tensor, if not already.
-
-        The fast path then projects with one GEMM instead of three (bench/EXPERT.md: 7.2 vs
-        15.8 us a layer at full size) without a second copy of the weights, while module
-        names, state_dict keys and load_state_dict (which copies into the slices) stay
-        upstream's. Slices that are already tied keep their addresses, which captured CUDA
-        graphs hold.
-        """
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _one_tensor_under([p.weight for p in projections], self.qkv_weight)
-        if self.q_proj.bias is not None:
-            self.qkv_bias = _one_tensor_under([p.bias for p in projections], self.qkv_bias)
+        self._register_ties()
 
     def quantize_fp8(self, name: str, kernel: str) -> None:
         """FP8 copies of the fused q/k/v weight (one GEMM) and of o_proj's; name: this module's."""
         self.qkv_fp8 = Fp8Linear(self.qkv_weight, self.qkv_bias, name=f"{name}.qkv_proj", kernel=kernel)
         self.o_fp8 = Fp8Linear(self.o_proj.weight, self.o_proj.bias, name=f"{name}.o_proj", kernel=kernel)
-
-    @staticmethod
-    def _fuse_after_load(module: ExpertAttention, _keys: object) -> None:
-        # load_state_dict(assign=True) replaces the parameters instead of copying into them.
-        module._fuse_qkv()
-
-    def _apply(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
-    ) -> nn.Module:
-        # Casts and moves convert each parameter apart from the fused tensor: tie them again.
-        super()._apply(fn, recurse)
-        self._fuse_qkv()
-        return self
-
-    def __setstate__(self, state: dict) -> None:
-        # deepcopy clones each parameter on its own.
-        super().__setstate__(state)
-        self._fuse_qkv()
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVSource) -> torch.Tensor:
         """Attend h (N, L, E) to kv's keys and to itself; rope: cos, sin (N, L, 1, D)."""
@@ -255,8 +270,10 @@ def layer_step(layer: ExpertLayer, h: torch.Tensor, rope: tuple[torch.Tensor, to
     return layer(h, rope, kv)
 
 
-class ExpertMLP(nn.Module):
-    """SwiGLU feed-forward; with FP8 copies (quantize_fp8), gate and up as one GEMM."""
+class ExpertMLP(_RowTied):
+    """SwiGLU feed-forward; gate and up as one GEMM (their weights are views of one tensor)."""
+
+    _tied = (("gate_up", ("gate_proj", "up_proj")),)
 
     def __init__(self, *, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -265,16 +282,17 @@ class ExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up_fp8: Fp8Linear | None = None
         self.down_fp8: Fp8Linear | None = None
+        self._register_ties()
 
     def quantize_fp8(self, name: str, kernel: str) -> None:
-        """FP8 copies of gate and up (stacked: one GEMM) and of down; name: this module's."""
-        gate_up = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
-        self.gate_up_fp8 = Fp8Linear(gate_up, None, name=f"{name}.gate_up_proj", kernel=kernel)
+        """FP8 copies of the fused gate+up weight (one GEMM) and of down's; name: this module's."""
+        self.gate_up_fp8 = Fp8Linear(self.gate_up_weight, None, name=f"{name}.gate_up_proj", kernel=kernel)
         self.down_fp8 = Fp8Linear(self.down_proj.weight, None, name=f"{name}.down_proj", kernel=kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_fp8 is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         gate, up = self.gate_up_fp8(x).chunk(2, dim=-1)
         return self.down_fp8(F.silu(gate) * up)
 
