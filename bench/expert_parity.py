@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 times = timed(lambda: sampler.sample(source, init_noise=noise), args.runs, device)
                 case[f"{name}_p50_ms"] = statistics.median(times)
                 case[f"{name}_p90_ms"] = sorted(times)[int(0.9 * (len(times) - 1))]
-                if on_gpu and rows > 1:
+                if on_gpu:
                     print(f"# kernels of one {name} call, {rows} rows", flush=True)
                     print(kernel_profile(lambda: sampler.sample(source, init_noise=noise)), flush=True)
                 del sampler

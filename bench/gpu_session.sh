@@ -8,6 +8,8 @@
 #   bash bench/gpu_session.sh speculation fp8       # ~9 min
 # Steps:
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
+#   parity-autotune  the same with inductor's max-autotune for the GEMMs of the compiled layer step
+#                (Triton templates benchmarked against cuBLAS per shape on this GPU)
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
 #   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
 #                both on vLLM's V1 model runner (cascade needs it), so only the cascade differs
@@ -60,6 +62,8 @@ step() {  # step NAME GUARD_S COMMAND...
 for name in "$@"; do
   case $name in
     parity) step parity 200 python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --out "$OUT/parity_auto.json" ;;
+    parity-autotune) step parity-autotune 330 env TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 python3 -m bench.expert_parity \
+           --runs 10 --fp8-kernel auto --out "$OUT/parity_autotune.json" ;;
     w16) step w16 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm,hf \
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
     s16) step s16 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
@@ -81,6 +85,6 @@ for name in "$@"; do
     profile) step profile 290 python3 -m bench.prefill_profile --workload W16 --full-size-dir /tmp/ckpt --json-dir "$OUT" ;;
     profile-fp8) step profile-fp8 290 python3 -m bench.prefill_profile --workload W16-fp8 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8)"; exit 2 ;;
   esac
 done
