@@ -28,6 +28,7 @@
 #   profile      bench.prefill_profile on W16: GPU time per stage of whole plans (vision tower, decoder
 #                parts, prefill and decode apart) and what a slow preprocess does
 #   profile-fp8  the same on W16-fp8 (FP8 backbone): where its prefill loses to bf16
+#   profile-s16  the same on W16-s16: where a 16-row decode step spends its time over a 1-row one
 # Setup happens once per machine: the vLLM bundle into /tmp, the tokenizer wheels into /tmp/site,
 # the full-size random checkpoint into /tmp/ckpt (the first step that needs it writes it).
 set -uo pipefail
@@ -84,6 +85,8 @@ for name in "$@"; do
     gemm) step gemm 200 python3 -m bench.fp8_gemm_bench --json-dir "$OUT" ;;
     profile) step profile 290 python3 -m bench.prefill_profile --workload W16 --full-size-dir /tmp/ckpt --json-dir "$OUT" ;;
     profile-fp8) step profile-fp8 290 python3 -m bench.prefill_profile --workload W16-fp8 --full-size-dir /tmp/ckpt \
+           --json-dir "$OUT" ;;
+    profile-s16) step profile-s16 290 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
     *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8)"; exit 2 ;;
   esac
