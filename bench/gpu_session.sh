@@ -83,10 +83,10 @@ for name in "$@"; do
     fp8-marlin) step fp8-marlin 300 env VLLM_TEST_FORCE_FP8_MARLIN=1 python3 bench/bench_pipeline.py --workload W16-fp8 \
            $(checkpoint) --backends vllm --runs "$RUNS" --json-dir "$OUT/marlin" ;;
     gemm) step gemm 200 python3 -m bench.fp8_gemm_bench --json-dir "$OUT" ;;
-    profile) step profile 290 python3 -m bench.prefill_profile --workload W16 --full-size-dir /tmp/ckpt --json-dir "$OUT" ;;
-    profile-fp8) step profile-fp8 290 python3 -m bench.prefill_profile --workload W16-fp8 --full-size-dir /tmp/ckpt \
+    profile) step profile 420 python3 -m bench.prefill_profile --workload W16 --full-size-dir /tmp/ckpt --json-dir "$OUT" ;;
+    profile-fp8) step profile-fp8 420 python3 -m bench.prefill_profile --workload W16-fp8 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    profile-s16) step profile-s16 290 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
+    profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
     *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8)"; exit 2 ;;
   esac

@@ -37,13 +37,14 @@ import bisect
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd import DeviceType
@@ -158,20 +159,57 @@ def device_events(events: list[Any]) -> tuple[list[Any], bool]:
     return leaves, False
 
 
+RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")  # CUDA runtime and driver calls: cudaLaunchKernel, cuLaunchKernelEx, ...
+
+
+def launch_links(events: list[Any]) -> tuple[list[Any], dict[int, Any], Callable[[Any], Any]]:
+    """The trace's CPU ops and ranges, its runtime calls by correlation id (a kernel's id is its
+    launch's), and a function from a kernel to the op that launched it (None if not found).
+
+    torch records the kernel -> op link on each event from 2.12 on (linked_correlation_id);
+    older versions (2.11 on the GPU machines) use it only while parsing, so there runtime calls
+    are told by name, and a launch's op is the innermost op open on its thread when it ran.
+    """
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    if not cpu or hasattr(cpu[0], "linked_correlation_id"):
+        by_id = {e.id: e for e in cpu if not e.linked_correlation_id}
+        launches = {e.id: e for e in cpu if e.linked_correlation_id}
+        return list(by_id.values()), launches, lambda kernel: by_id.get(kernel.linked_correlation_id)
+    launches = {e.id: e for e in cpu if RUNTIME_CALL.match(e.name)}
+    ops = [e for e in cpu if not RUNTIME_CALL.match(e.name)]
+    threads: dict[int, list[Any]] = defaultdict(list)
+    for op in sorted(ops, key=lambda e: e.time_range.start):
+        threads[op.thread].append(op)
+    starts = {thread: [op.time_range.start for op in line] for thread, line in threads.items()}
+
+    def launcher_of(kernel: Any) -> Any:
+        launch = launches.get(kernel.id)
+        if launch is None or launch.thread not in threads:
+            return None
+        line, at = threads[launch.thread], launch.time_range.start
+        index = bisect.bisect_right(starts[launch.thread], at) - 1
+        # the latest-starting op still open at the launch is the innermost one
+        for op in line[max(0, index - 255) : index + 1][::-1]:
+            if op.time_range.end >= at:
+                return op
+        return None
+
+    return ops, launches, launcher_of
+
+
 def summarize_plan(events: list[Any], projections: dict[tuple[int, int], str]) -> dict:
     """GPU time (ms) per stage and kind, spans, engine steps and kernel totals of one plan's trace."""
     # ops and ranges (id: their own numbering), and runtime calls such as cudaLaunchKernel or
     # cudaGraphLaunch (id: the CUPTI correlation their kernels carry as id too)
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
-    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id}
-    scopes = Scopes(list(ops.values()))
+    ops, launches, launcher_of = launch_links(events)
+    scopes = Scopes(ops)
     work, on_gpu = device_events(events)
     busy: dict[str, float] = defaultdict(float)
     spans: dict[str, list[float]] = {}
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in work:
-        launcher = ops.get(event.linked_correlation_id) if on_gpu else event  # the op: its shapes
+        launcher = launcher_of(event) if on_gpu else event  # the op: its shapes
         launch = launches.get(event.id) if on_gpu else event
         launched_us = (launch or launcher or event).time_range.start
         runner = scopes.runner_at(launched_us)

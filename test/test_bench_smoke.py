@@ -247,3 +247,36 @@ def test_preprocess_usage_records_each_call_and_leaves_the_method_as_it_was() ->
     assert medians["slow"]["minor_faults"] == usage.calls[2]["minor_faults"]
     assert medians["fast"]["minor_faults"] < medians["slow"]["minor_faults"]
     assert "slow preprocess median" in host_line(summarize_host(plans))
+
+
+@pytest.mark.parametrize("torch_records_links", [True, False])
+def test_prefill_profile_finds_the_op_that_launched_each_kernel(torch_records_links: bool) -> None:
+    """A kernel's launching op, from the link torch keeps on each event (2.12 on) or, on older
+    torch (the GPU machines' 2.11), from the launch's correlation id and the innermost op open on
+    the launching thread; both ways give the same op, and the runtime calls are not ops."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.prefill_profile import launch_links
+
+    def event(name: str, id: int, start: float, end: float, *, thread: int = 1, device=DeviceType.CPU, link: int = 0):
+        fields = dict(name=name, id=id, thread=thread, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+        if torch_records_links:
+            fields["linked_correlation_id"] = link
+        return SimpleNamespace(**fields)
+
+    linear = event("aten::linear", 1, 0.0, 50.0)
+    mm = event("aten::mm", 2, 10.0, 20.0)  # inside linear: the innermost op of launch 900
+    add = event("aten::add", 3, 30.0, 40.0)  # a sibling after it
+    other = event("aten::mm", 4, 10.0, 20.0, thread=2)  # same time, another thread
+    launches = [event("cudaLaunchKernel", 900, 12.0, 13.0, link=2), event("cuLaunchKernelEx", 901, 32.0, 33.0, link=3),
+                event("cudaLaunchKernel", 902, 45.0, 46.0, link=1)]  # fmt: skip
+    kernels = [event("nvjet_gemm", 900, 14.0, 30.0, device=DeviceType.CUDA, link=2),
+               event("add_kernel", 901, 34.0, 35.0, device=DeviceType.CUDA, link=3),
+               event("copy_kernel", 902, 47.0, 48.0, device=DeviceType.CUDA, link=1),
+               event("orphan", 999, 60.0, 61.0, device=DeviceType.CUDA, link=77)]  # fmt: skip
+    ops, by_id, launcher_of = launch_links([linear, mm, add, other, *launches, *kernels])
+    assert sorted(id(op) for op in ops) == sorted(id(op) for op in (linear, mm, add, other))
+    assert {key: e.name for key, e in by_id.items()} == {900: "cudaLaunchKernel", 901: "cuLaunchKernelEx", 902: "cudaLaunchKernel"}
+    assert [launcher_of(k) for k in kernels] == [mm, add, linear, None]
