@@ -135,12 +135,7 @@ class FrameCache:
         if not (self.store_device.type == "cpu" and self.compute_device.type == "cuda"):
             return torch.stack(parts)
         out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=True)
-        # numpy copies on this thread: torch's would run an OpenMP team of all cores, and beside a
-        # GPU engine's threads one team thread that waits for a core holds the rest spinning at the
-        # barrier: on an H100 host preprocess then took 43-60 ms at 13 cores' CPU time, 5 ms and one
-        # core otherwise (bench/RESULTS.md, host probes).
-        np.stack([part.numpy() for part in parts], out=out.numpy())
-        return out
+        return torch.stack(parts, out=out)
 
     def _resize(self, frames: np.ndarray | Sequence[np.ndarray], indices: list[int]) -> torch.Tensor:
         """frames[indices] resized on the compute device, uint8 (n, 3, h, w). On the CPU each frame
