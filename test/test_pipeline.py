@@ -199,3 +199,25 @@ def test_bad_backend_arguments(tiny_checkpoint: Path) -> None:
         Pipeline.from_checkpoint(tiny_checkpoint, backend_options={"max_model_len": 4096})
     with pytest.raises(ValueError, match="dtype: expected a floating torch dtype name, got 'int8'"):
         Pipeline.from_checkpoint(tiny_checkpoint, dtype="int8")
+
+
+@pytest.mark.parametrize(
+    ("device", "omp", "expected"),
+    [("cuda", None, "1"), ("cuda", "2", "2"), ("cpu", None, "2")],
+)
+def test_gpu_pipelines_run_host_ops_on_one_torch_thread_unless_omp_num_threads_says(device, omp, expected) -> None:
+    """limit_host_threads, in a fresh process per case (it changes a process-wide setting): next to
+    a GPU torch keeps one intra-op thread, unless OMP_NUM_THREADS was set; on the CPU it is left."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    code = (
+        "import torch; torch.set_num_threads(2) if torch.get_num_threads() != 2 else None; "
+        "from alpamayo_ros.core.pipeline import limit_host_threads; "
+        f"limit_host_threads(torch.device({device!r})); print(torch.get_num_threads())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == expected

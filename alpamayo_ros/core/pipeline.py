@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -117,6 +118,7 @@ class Pipeline:
                              "workers there, in full precision)")
         config = AlpamayoConfig.from_checkpoint(path)
         device = torch.device(device)
+        limit_host_threads(device)
         dtype = _dtype(dtype or config.model_dtype)
         tokenizer = AlpamayoTokenizer.from_checkpoint(path, config.traj_vocab_size)
         files = tensor_files(path)
@@ -348,6 +350,22 @@ class Pipeline:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         timings[stage] = (time.perf_counter() - start) * 1e3
+
+
+def limit_host_threads(device: torch.device) -> None:
+    """Next to a GPU, run torch's host ops on one thread unless OMP_NUM_THREADS says otherwise.
+
+    The host ops of a GPU plan are small, and a team of one OpenMP thread per core stalls at
+    its barrier whenever another thread of the process (the engine's, CUDA's, frame hashing)
+    holds a core: on an H100 host, preprocessing then took 43-60 ms at 13 cores of CPU time
+    instead of 5 ms on one (bench/RESULTS.md, host probes). vLLM runs its own GPU workers with
+    one torch thread for this reason; its in-process engine, which ours is, leaves it to us.
+    """
+    if device.type != "cuda" or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == 1:
+        return
+    logger.info("host threads: torch intra-op threads %d -> 1 beside the GPU (OMP_NUM_THREADS sets them)",
+                torch.get_num_threads())
+    torch.set_num_threads(1)
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:
