@@ -88,6 +88,6 @@ for name in "$@"; do
            --json-dir "$OUT" ;;
     profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
   esac
 done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import subprocess
@@ -208,13 +209,11 @@ def test_bad_backend_arguments(tiny_checkpoint: Path) -> None:
 def test_gpu_pipelines_run_host_ops_on_one_torch_thread_unless_omp_num_threads_says(device, omp, expected) -> None:
     """limit_host_threads, in a fresh process per case (it changes a process-wide setting): next to
     a GPU torch keeps one intra-op thread, unless OMP_NUM_THREADS was set; on the CPU it is left."""
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
     code = (
-        "import torch; torch.set_num_threads(2) if torch.get_num_threads() != 2 else None; "
+        "import torch; torch.set_num_threads(2); "
         "from alpamayo_ros.core.pipeline import limit_host_threads; "
         f"limit_host_threads(torch.device({device!r})); print(torch.get_num_threads())"
     )
