@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM KV cache on the GPU (the node's default)")
     parser.add_argument("--token-mask", action="store_true",
                         help="vLLM: the <i*> mask as the TokenMask logits processor, not in the model (the default)")
+    parser.add_argument("--eager-vision", action="store_true",
+                        help="vLLM: the vision tower eagerly, without its CUDA graphs (the default on CUDA)")
     parser.add_argument("--speculation", type=int, default=0, metavar="N",
                         help="vLLM: measure speculative reasoning drafting N tokens per step (regimes none, same, "
                         "wrong, half; see the module doc) instead of comparing backends")
@@ -353,6 +355,7 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
         profile = args.profile_dir / f"{name}-{backend}-profile.txt" if args.profile_dir else None
         measured = run_backend(pipeline, workload, runs, args.warmup, profile)
         measured["load_s"] = load_s
+        measured["engine_options"] = options
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             measured["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -398,6 +401,7 @@ def vllm_options(args: argparse.Namespace, workload: Workload) -> dict:
         "quantization": workload.quantization,
         "mask_in_model": not args.token_mask,
         "cascade_attention": workload.cascade_attention,
+        "vision_cuda_graphs": not args.eager_vision,
     }
 
 

@@ -374,6 +374,49 @@ def test_profiling_images_take_the_request_path(vllm_pipeline) -> None:
     assert [shape[0] for shape in outputs] == [tokens] * 2
 
 
+def test_vision_graph_path_reads_our_frames(vllm_pipeline) -> None:
+    """vLLM's encoder CUDA graphs (on with CUDA) feed the tower from _get_pixel_values_by_modality,
+    not from embed_multimodal: its path, run eagerly here on the engine's model over a reordered
+    subset of three different frames, gives each frame the embedding the eager path gives."""
+    from alpamayo_ros.core.vllm_adapter.model import FRAMES_FIELD
+
+    def both_paths(worker) -> tuple[list, dict]:
+        runner = worker.model_runner
+        model = runner.get_model()
+        with torch.inference_mode():
+            batch = runner._get_mm_dummy_batch("image", 3)
+            generator = torch.Generator().manual_seed(0)
+            frames = batch[FRAMES_FIELD]
+            batch[FRAMES_FIELD] = torch.randint(0, 256, frames.shape, generator=generator, dtype=torch.uint8)
+            eager = list(model.embed_multimodal(**batch))
+            order = [2, 0]
+            specs = model.get_encoder_cudagraph_item_specs(batch)
+            chosen = model.select_encoder_cudagraph_items(batch, order)
+            replay = model.prepare_encoder_cudagraph_replay_buffers(chosen, max_batch_size=3, max_frames_per_batch=0)
+            out = model.encoder_cudagraph_forward(dict(replay.values))
+            graphed: dict[int, torch.Tensor] = {}
+            model.postprocess_encoder_output({"default": out}, order, [s.output_tokens for s in specs], graphed,
+                                             clone=True, batch_mm_kwargs=chosen)  # fmt: skip
+        return eager, graphed
+
+    ((eager, graphed),) = vllm_pipeline.backbone._llm.collective_rpc(both_paths)
+    assert sorted(graphed) == [0, 2]
+    assert not torch.equal(eager[0], eager[2])  # three different frames
+    for index in graphed:
+        torch.testing.assert_close(graphed[index], eager[index], rtol=1e-5, atol=1e-5)
+
+
+def test_vision_graphs_have_a_budget_per_power_of_two_frames(vllm_pipeline) -> None:
+    """One graph per 1, 2, 4, ... full-size frames up to max_images (the last one exact)."""
+    from alpamayo_ros.core.vllm_adapter.model import vision_graph_config
+
+    per_frame = vllm_pipeline.config.vision.max_pixels // vllm_pipeline.config.vision.factor**2
+    config = vision_graph_config(vllm_pipeline.backbone.model_dir, 12)
+    assert config["encoder_cudagraph_token_budgets"] == [per_frame * n for n in (1, 2, 4, 8, 12)]
+    assert config["encoder_cudagraph_max_vision_items_per_batch"] == 12
+    assert config["cudagraph_mm_encoder"] is True
+
+
 # -- the <i*> mask: in the model (default) or as the TokenMask logits processor ------------
 
 

@@ -59,7 +59,10 @@ class EngineOptions:
     max_images: int = 16
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # also turns vision_cuda_graphs off
+    # The vision tower replayed as CUDA graphs (vllm_adapter.model.vision_graph_config), on CUDA
+    # only; eager, it is launch-bound (most of a W16 prefill's vision time is host time).
+    vision_cuda_graphs: bool = True
     quantization: str | None = None  # e.g. "fp8" (online weight quantisation)
     kv_cache_gib: float | None = None  # None: vLLM sizes it (GPU) / its default (CPU)
     enable_prefix_caching: bool = True  # rows of one prompt share its blocks

@@ -34,7 +34,7 @@ from .device_drafts import adopt as adopt_device_drafts
 from .device_drafts import drafting_from
 from .environment import vllm_environment
 from .mask import MASK_KEY, MaskSpec, TokenMask
-from .model import register_architecture
+from .model import register_architecture, vision_graph_config
 from .speculation import HISTORY_KEY, PlanHistory, count_acceptance, take_counts
 from .speculation import engine_args as speculation_args
 
@@ -79,6 +79,8 @@ def create_engine(
         speculation_args(options.speculation_method, options.speculation_draft_tokens, on_device=drafts_on_device)
     )
     extra.update(cascade_args(options.cascade_attention))
+    if options.vision_cuda_graphs and not options.enforce_eager and current_platform.is_cuda():
+        extra["compilation_config"] = vision_graph_config(model_dir, options.max_images)
     with vllm_environment(cascade_environment(options.cascade_attention)):
         with drafting_from(history) if drafts_on_device else nullcontext():
             llm = _start(model_dir, options, transfer, {**extra, **(engine_args or {})})
