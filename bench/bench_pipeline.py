@@ -493,6 +493,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
         return {
             "ids_equal": first == second,
             "first_difference": first_difference(first, second),
+            # with equal ids, nonzero only if the backbone's K/V or the expert vary between runs
+            "max_xyz_diff_m": float(np.abs(repeats[0].xyz - repeats[1].xyz).max()),
             "drafted": [plan.drafted_tokens for plan in repeats],
             "accepted": [plan.accepted_tokens for plan in repeats],
         }
@@ -603,7 +605,7 @@ def print_speculation_report(results: dict) -> None:
         f"(first differing token per row {repeat['first_difference']}), drafted {repeat['drafted']}, "
         f"accepted {repeat['accepted']}; without speculation: ids equal {plain['ids_equal']} "
         f"(first differing token per row {plain['first_difference']}); greedy twice without speculation: "
-        f"ids equal {greedy['ids_equal']}"
+        f"ids equal {greedy['ids_equal']}, max dxyz {greedy['max_xyz_diff_m']:.2e} m"
     )
     print("\n".join(lines))
     sys.stdout.flush()

@@ -54,5 +54,6 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     assert plain["ids_equal"] and plain["drafted"] == [0, 0]
     greedy = report["greedy_repeat_without_speculation"]
     assert greedy["ids_equal"] and greedy["first_difference"] is None and greedy["drafted"] == [0, 0]
+    assert greedy["max_xyz_diff_m"] == 0.0  # one engine, one window, greedy: the same plan to the bit
     assert (tmp_path / "profile" / "smoke-speculation-half.txt").is_file()  # one traced plan per regime
     assert (tmp_path / "profile" / "smoke-speculation-none.trace.json.gz").stat().st_size > 0
