@@ -151,8 +151,10 @@ class Scopes:
 
 def device_events(events: list[Any]) -> tuple[list[Any], bool]:
     """CUDA kernels (and memcpy/memset) if the trace has any, else the CPU's leaf ops (vLLM on
-    the CPU: its ops are the work), and whether they are GPU events."""
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    the CPU: its ops are the work), and whether they are GPU events. A range recorded on the GPU
+    (record_function's GPU copy: "gpu_model_runner: forward", a compiled graph's call) spans
+    kernels, it is not one: counted, it doubled a stage's busy time into "other"."""
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     if kernels:
         return kernels, True
     leaves = [e for e in events if e.device_type == DeviceType.CPU and not e.cpu_children and "::" in e.name]

@@ -280,3 +280,23 @@ def test_prefill_profile_finds_the_op_that_launched_each_kernel(torch_records_li
     assert sorted(id(op) for op in ops) == sorted(id(op) for op in (linear, mm, add, other))
     assert {key: e.name for key, e in by_id.items()} == {900: "cudaLaunchKernel", 901: "cuLaunchKernelEx", 902: "cudaLaunchKernel"}
     assert [launcher_of(k) for k in kernels] == [mm, add, linear, None]
+
+
+def test_prefill_profile_counts_kernels_not_the_ranges_around_them() -> None:
+    """GPU-side ranges (a runner scope's or a compiled graph's) enclose kernels: only the kernels
+    are work; without CUDA events the CPU's leaf ops are."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.prefill_profile import device_events
+
+    def event(name: str, device, annotation: bool = False, children=()):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation, cpu_children=list(children))
+
+    kernel = event("nvjet_gemm", DeviceType.CUDA)
+    scope = event("gpu_model_runner: forward", DeviceType.CUDA, annotation=True)
+    mm = event("aten::mm", DeviceType.CPU)
+    linear = event("aten::linear", DeviceType.CPU, children=[mm])
+    assert device_events([scope, kernel, linear, mm]) == ([kernel], True)
+    assert device_events([linear, mm]) == ([mm], False)
