@@ -20,6 +20,9 @@
 #   speculation-trace the device regimes over 10 plans each, one plan per regime traced by the torch
 #                profiler, the tables and traces packed into one file (speculation-trace.tgz)
 #   speculation-fp8   the device regimes on W16-fp8 (FP8 backbone and expert)
+#   speculation-deterministic  the device regimes with TORCHINDUCTOR_DETERMINISTIC=1 and fresh compile
+#                caches: inductor then picks each reduction kernel's config (RMSNorm's block and warps)
+#                without timing it on the device, so both engines sum a row alike in every run
 #   speculation-invariant  the device regimes with VLLM_BATCH_INVARIANT=1 (no split-K GEMMs on Hopper):
 #                whether verified tokens then get the K/V decoded ones get (dxyz 0), and at what cost
 #   fp8          W16-fp8 on vLLM (FP8 backbone and expert)
@@ -78,6 +81,10 @@ for name in "$@"; do
     speculation-trace) step speculation-trace 420 python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" \
            --speculation-proposer device $(checkpoint) --runs 10 --json-dir "$OUT/trace" --profile-dir /tmp/prof
          tar -C /tmp -czf "$OUT/speculation-trace.tgz" prof ;;
+    speculation-deterministic) step speculation-deterministic 420 env TORCHINDUCTOR_DETERMINISTIC=1 \
+           VLLM_CACHE_ROOT=/tmp/cache-deterministic/vllm TORCHINDUCTOR_CACHE_DIR=/tmp/cache-deterministic/inductor \
+           python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" --speculation-proposer device \
+           $(checkpoint) --runs "$RUNS" --json-dir "$OUT/deterministic" ;;
     speculation-invariant) step speculation-invariant 420 env VLLM_BATCH_INVARIANT=1 python3 bench/bench_pipeline.py \
            --workload W16 --speculation "$DRAFT" --speculation-proposer device $(checkpoint) --runs "$RUNS" \
            --json-dir "$OUT/invariant" ;;
@@ -93,6 +100,6 @@ for name in "$@"; do
            --json-dir "$OUT" ;;
     profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
   esac
 done
