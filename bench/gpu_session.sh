@@ -10,6 +10,8 @@
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
 #   parity-autotune  the same with inductor's max-autotune for the GEMMs of the compiled layer step
 #                (Triton templates benchmarked against cuBLAS per shape on this GPU)
+#   parity-deterministic  the same with TORCHINDUCTOR_DETERMINISTIC=1 and a fresh inductor cache: what
+#                reductions configured without on-device timing cost the expert (the same plan in every run)
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
 #   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
 #                both on vLLM's V1 model runner (cascade needs it), so only the cascade differs
@@ -70,6 +72,9 @@ for name in "$@"; do
     parity) step parity 200 python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --out "$OUT/parity_auto.json" ;;
     parity-autotune) step parity-autotune 330 env TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 python3 -m bench.expert_parity \
            --runs 10 --fp8-kernel auto --out "$OUT/parity_autotune.json" ;;
+    parity-deterministic) step parity-deterministic 200 env TORCHINDUCTOR_DETERMINISTIC=1 \
+           TORCHINDUCTOR_CACHE_DIR=/tmp/cache-deterministic/expert python3 -m bench.expert_parity --runs 10 \
+           --fp8-kernel auto --out "$OUT/parity_deterministic.json" ;;
     w16) step w16 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm,hf \
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
     s16) step s16 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
@@ -100,6 +105,6 @@ for name in "$@"; do
            --json-dir "$OUT" ;;
     profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, parity-autotune, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
   esac
 done
