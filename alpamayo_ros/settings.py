@@ -163,7 +163,7 @@ PARAMETERS: tuple[ParamSpec, ...] = (
         minimum=1,
         maximum=8,
     ),
-    ParamSpec("vllm.enforce_eager", False, "Disable CUDA graphs / torch.compile in vLLM (faster start, slower steps)."),
+    ParamSpec("vllm.enforce_eager", False, "Disable vLLM's CUDA graphs (decoder and vision tower) and torch.compile (faster start, slower steps)."),
     ParamSpec("vllm.quantization", "", "vLLM quantization method (e.g. fp8); empty = none."),
     ParamSpec(
         "vllm.cascade_attention",
