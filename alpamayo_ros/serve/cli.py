@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-reasoning-tokens", type=int, default=Limits.max_reasoning_tokens)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM backend")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM backend: KV cache size")
-    parser.add_argument("--enforce-eager", action="store_true", help="vLLM backend: no CUDA graphs (decoder, vision tower) / compile")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="vLLM backend: no CUDA graphs (decoder, vision tower) / compile")
     parser.add_argument("--max-model-len", type=int, default=8192, help="vLLM backend: longest prompt + reasoning")
     parser.add_argument("--speculation", choices=SPECULATION_METHODS, default="none",
                         help="vLLM backend: speculative reasoning (vllm.speculation.method of the node)")
