@@ -12,6 +12,10 @@
 #                (Triton templates benchmarked against cuBLAS per shape on this GPU)
 #   parity-deterministic  the same with TORCHINDUCTOR_DETERMINISTIC=1 and a fresh inductor cache: what
 #                reductions configured without on-device timing cost the expert (the same plan in every run)
+#   parity-split the same with the vllm_paged variants reading vLLM's blocks through core/split_attention.py
+#                (one Triton launch) instead of FA3: its parity and its sampler times beside the parity step's
+#   kernels      bench.expert_kernels' paged step: FA3 (two calls and a merge) against the Triton split kernel at
+#                several prefix splits, 1 and 16 rows over vLLM-style blocks (us per call, CUDA graphs)
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
 #   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
 #                both on vLLM's V1 model runner (cascade needs it), so only the cascade differs
@@ -75,6 +79,9 @@ for name in "$@"; do
     parity-deterministic) step parity-deterministic 200 env TORCHINDUCTOR_DETERMINISTIC=1 \
            TORCHINDUCTOR_CACHE_DIR=/tmp/cache-deterministic/expert python3 -m bench.expert_parity --runs 10 \
            --fp8-kernel auto --out "$OUT/parity_deterministic.json" ;;
+    parity-split) step parity-split 200 python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --paged-kernel split \
+           --out "$OUT/parity_split.json" ;;
+    kernels) step kernels 200 python3 -m bench.expert_kernels --skip attention,shared,gemm,timeline --out "$OUT/kernels.json" ;;
     w16) step w16 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm,hf \
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
     s16) step s16 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
@@ -105,6 +112,6 @@ for name in "$@"; do
            --json-dir "$OUT" ;;
     profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, parity-split, kernels, w16, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
   esac
 done
