@@ -6,8 +6,9 @@ fails on any mismatch). The kernel must give block_table_attention's numbers wit
 rounding for any split of the prefix, chunks past a row's length, a partial last block, rows of
 several lengths, GQA groups that do not fill a query tile and vLLM's CPU layout (K transposed
 per block); slots no row may read hold NaN. It must leave its tickets at zero, so a CUDA graph
-can replay it, and the sampler over it must plan as the reference does. (The interpreter's
-bf16 matrix product is broken, so bf16 is checked on the GPU by bench/expert_parity.py.)
+can replay it, and the sampler over it (compiled layers too) must plan as the reference does.
+(The interpreter's bf16 matrix product is broken, so bf16 is checked on the GPU by
+bench/expert_parity.py.)
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def _sampler_cases() -> None:
 
     expert = expert_of(max_freq=1.0)
     expert.paged_kernel = "split"
-    for bucket in (1, 32):
-        sampler = ExpertSampler(expert, bucket=bucket)
+    for bucket, compiled in ((1, False), (32, True)):  # compiled: as on the GPU, the op traced by its fake
+        sampler = ExpertSampler(expert, bucket=bucket, compile_layers=compiled)
         pool = BlockPool(256, 8, "cpu_kt")
         plans = [
             paged_cache_of(pool, 21, [6, 3, 9, 6], [27, 22, 30, 27], seed=1),  # 21 = 2 blocks + 5
