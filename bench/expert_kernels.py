@@ -81,9 +81,10 @@ def attention_figures(length: int, figures: dict, errors: dict) -> None:
 def paged_figures(prompt: int, own: int, rows: int, figures: dict, errors: dict) -> None:
     """The sampler's read of vLLM's blocks in place (rows share the prompt's full blocks): FA3 as
     block_table_attention runs it (paged prefix, own keys, merge; schedule made once) against
-    split_attention's one Triton launch at several prefix splits (0: its default)."""
+    split_attention's one Triton launch at several prefix splits (0: its default), warps and key
+    tiles."""
     from alpamayo_ros.core.expert_attention import block_table_attention, block_table_schedule, fa3_varlen
-    from alpamayo_ros.core.split_attention import split_attention
+    from alpamayo_ros.core import split_attention as module
 
     fa3_varlen()
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
@@ -109,12 +110,17 @@ def paged_figures(prompt: int, own: int, rows: int, figures: dict, errors: dict)
 
     figures[f"{label}: FA3 prefix + own + merge"] = graph_time_us(today)
     want = today().float()
-    for splits in (0, 2, 4, 8, 12, 16):
-        def run(splits=splits) -> torch.Tensor:
-            return split_attention(q, k, v, key_blocks, value_blocks, table, lengths, scale, splits)
+    default_warps, default_keys = module.NUM_WARPS, module.BLOCK_N
+    for warps, keys in ((default_warps, default_keys), (4, 64), (4, 32), (8, 32)):
+        module.NUM_WARPS, module.BLOCK_N = warps, keys  # read at each launch
+        for splits in (0, 2, 4, 8, 12, 16):
+            def run(splits=splits) -> torch.Tensor:
+                return module.split_attention(q, k, v, key_blocks, value_blocks, table, lengths, scale, splits)
 
-        figures[f"{label}: Triton split, splits={splits}"] = graph_time_us(run)
-        errors[f"split {rows} rows splits={splits}"] = (run().float() - want).abs().max().item()
+            name = f"split {rows} rows, {warps} warps, {keys} keys a tile, splits={splits}"
+            figures[f"{label}: Triton {name}"] = graph_time_us(run)
+            errors[name] = (run().float() - want).abs().max().item()
+    module.NUM_WARPS, module.BLOCK_N = default_warps, default_keys
 
 
 def shared_figures(prompt: int, own: int, rows: int, figures: dict, errors: dict) -> None:

@@ -25,9 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-#: query rows (packed query x group pairs) and keys per tile
+#: query rows (packed query x group pairs) and keys per tile, and warps per program: with 8
+#: warps ptxas (Triton 3.6, sm_90) compiles the 64 x 64 tiles without spilling registers
 BLOCK_M = 64
 BLOCK_N = 64
+NUM_WARPS = 8
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -110,13 +112,13 @@ def _split_attention_kernel(
     ticket = tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")
     if ticket == SPLITS:  # the last program of this tile: merge the chunks
         first_part = tile * (SPLITS + 1)
+        # loops, not unrolled: unrolled, every chunk's partial was loaded at once and spilled
         total_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS + 1):
-            part_max = tl.load(part_max_ptr + (first_part + s) * BLOCK_M + local, cache_modifier=".cg")
-            total_max = tl.maximum(total_max, part_max)
+        for s in range(SPLITS + 1):
+            total_max = tl.maximum(total_max, tl.load(part_max_ptr + (first_part + s) * BLOCK_M + local, cache_modifier=".cg"))
         merged = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         total_sum = tl.zeros([BLOCK_M], tl.float32)
-        for s in tl.static_range(SPLITS + 1):
+        for s in range(SPLITS + 1):
             part_max = tl.load(part_max_ptr + (first_part + s) * BLOCK_M + local, cache_modifier=".cg")
             weight = tl.exp2(part_max - total_max)  # 0 for an empty chunk (max -inf)
             total_sum += weight * tl.load(part_sum_ptr + (first_part + s) * BLOCK_M + local, cache_modifier=".cg")
@@ -196,7 +198,7 @@ def split_attention(
         block_table.stride(0),
         QUERIES=queries, GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLITS=splits,
         M_TILES=m_tiles, OWN_BLOCK=max(16, triton.next_power_of_2(queries)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
