@@ -4,7 +4,7 @@
 # prints its report; a failed or timed-out step does not stop the next. Run from the unpacked
 # snapshot (see bench/README.md, "On the lent H200"), e.g. in three calls of under 600 s:
 #   bash bench/gpu_session.sh parity w16            # ~9 min on a fresh machine
-#   bash bench/gpu_session.sh s16                   # ~6 min (W16-s16 and W16-s16-cascade)
+#   bash bench/gpu_session.sh s16-cascade           # ~6 min (W16-s16 and W16-s16-cascade)
 #   bash bench/gpu_session.sh speculation fp8       # ~9 min
 # Steps:
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
@@ -24,7 +24,8 @@
 #                against the w16 step's vLLM figures (or the parity-split step's sampler times) on the same machine
 #   w16-pdl      W16 on vLLM alone with TORCHINDUCTOR_ENABLE_PDL=1 and fresh vLLM/inductor caches (backbone and
 #                expert compiled with programmatic dependent launches), to hold against the w16 step's vLLM figures
-#   s16          W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
+#   s16          W16-s16 on vLLM (16 samples over one prompt)
+#   s16-cascade  W16-s16 and W16-s16-cascade on vLLM in one run (cascade attention against none),
 #                both on vLLM's V1 model runner (cascade needs it), so only the cascade differs
 #   speculation  W16, $DRAFT draft tokens (default 4): the four regimes, exact check, drafts looked up on the GPU
 #                (vLLM scheduling asynchronously); bench_pipeline's --profile-dir adds traces, more
@@ -98,7 +99,9 @@ for name in "$@"; do
     w16-pdl) step w16-pdl 330 env TORCHINDUCTOR_ENABLE_PDL=1 VLLM_CACHE_ROOT=/tmp/cache-pdl/vllm \
            TORCHINDUCTOR_CACHE_DIR=/tmp/cache-pdl/inductor python3 bench/bench_pipeline.py --workload W16 $(checkpoint) \
            --backends vllm --runs "$RUNS" --json-dir "$OUT/pdl" ;;
-    s16) step s16 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
+    s16) step s16 300 python3 bench/bench_pipeline.py --workload W16-s16 $(checkpoint) --backends vllm --runs "$RUNS" \
+           --json-dir "$OUT" ;;
+    s16-cascade) step s16-cascade 400 env VLLM_USE_V2_MODEL_RUNNER=0 python3 bench/bench_pipeline.py \
            --workload W16-s16,W16-s16-cascade $(checkpoint) --backends vllm --runs "$RUNS" --json-dir "$OUT" ;;
     speculation) step speculation 420 python3 bench/bench_pipeline.py --workload W16 --speculation "$DRAFT" \
            --speculation-proposer device --exact $(checkpoint) --runs "$RUNS" --json-dir "$OUT" ;;
@@ -126,6 +129,6 @@ for name in "$@"; do
            --json-dir "$OUT" ;;
     profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, parity-split, parity-pdl, kernels, w16, w16-split, w16-pdl, s16, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, parity-split, parity-pdl, kernels, w16, w16-split, w16-pdl, s16, s16-cascade, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
   esac
 done
