@@ -55,7 +55,6 @@ import torch
 if __package__ in (None, ""):  # run as a script: the repository root, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from alpamayo_ros.core.config import AlpamayoConfig
-from alpamayo_ros.core.expert_attention import PAGED_KERNELS
 from alpamayo_ros.core.frame_key import frame_key
 from alpamayo_ros.core.pipeline import Pipeline
 from alpamayo_ros.core.tiny_checkpoint import write_checkpoint
@@ -289,9 +288,6 @@ def main(argv: list[str] | None = None) -> int:
                         "or regime 'same' accepted no draft")
     parser.add_argument("--expert-quantization", choices=EXPERT_QUANTIZATIONS,
                         help="the expert's weights in every workload (default: the workload's; -fp8 ones: fp8)")
-    parser.add_argument("--expert-paged-kernel", choices=PAGED_KERNELS, default="auto",
-                        help="vLLM: the expert's attention over vLLM's blocks (auto: FlashAttention-3; split: "
-                        "core/split_attention.py's one Triton launch)")
     parser.add_argument("--json-dir", type=Path, help="write <workload>.json here")
     parser.add_argument("--profile-dir", type=Path,
                         help="after the timed runs, trace one more plan per backend (--speculation: per regime, with "
@@ -353,8 +349,6 @@ def bench_workload(name: str, args: argparse.Namespace, checkpoint: Path, config
                                             backend_options=options, expert_quantization=workload.expert_quantization)
         load_s = time.perf_counter() - start
         results["expert_fp8_kernel"] = pipeline.expert.fp8_kernel
-        pipeline.expert.paged_kernel = args.expert_paged_kernel  # before the warm-up makes its states
-        results["expert_paged_kernel"] = args.expert_paged_kernel
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         runs = args.runs if position == 0 else min(args.runs, args.compare_runs)

@@ -5,8 +5,6 @@ Times (us per call, CUDA graphs of 20 calls) for the expert's shapes:
   today's path) against FlashAttention-3 from vLLM's bundle (`vllm.vllm_flash_attn`, varlen
   with seqused_k over a padded, bucketed buffer: no mask channel), and at 16 rows FA3 over a
   block table whose rows share the prefix's blocks against the split shared/own attention the sampler ran before the paged state;
-- the sampler's read of vLLM's blocks in place, 1 and 16 rows: FA3 (two calls and a merge)
-  against core/split_attention.py's one Triton launch at several prefix splits;
 - the layer's GEMMs at 64 rows: cuBLAS (F.linear) against a Triton split-K kernel over a small
   grid of tile shapes (fp32 partials summed by torch, the sum included);
 - the kernel timeline of today's compiled sampler (1 row, bucket 256 and exact; 16 rows over vLLM's blocks),
@@ -76,51 +74,6 @@ def attention_figures(length: int, figures: dict, errors: dict) -> None:
 
         figures[f"attn 1 row S={used} in C={capacity}: FA3 seqused_k splits={splits}"] = graph_time_us(run)
         errors[f"fa3 1 row splits={splits}"] = (run().float() - want.float()).abs().max().item()
-
-
-def paged_figures(prompt: int, own: int, rows: int, figures: dict, errors: dict) -> None:
-    """The sampler's read of vLLM's blocks in place (rows share the prompt's full blocks): FA3 as
-    block_table_attention runs it (paged prefix, own keys, merge; schedule made once) against
-    split_attention's one Triton launch at several prefix splits (0: its default), warps and key
-    tiles."""
-    from alpamayo_ros.core.expert_attention import block_table_attention, block_table_schedule, fa3_varlen
-    from alpamayo_ros.core import split_attention as module
-
-    fa3_varlen()
-    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    heads, kv_heads, dim, page, queries = 32, 8, 128, 16, 64
-    length = prompt + own
-    width, full = -(-length // page), prompt // page
-    key_blocks = torch.randn(full + rows * (width - full), page, kv_heads, dim, **bf16)
-    value_blocks = torch.randn_like(key_blocks)
-    table = torch.zeros(rows, width, dtype=torch.int32, device="cuda")
-    table[:, :full] = torch.arange(full, dtype=torch.int32)
-    table[:, full:] = full + torch.arange(rows * (width - full), dtype=torch.int32).view(rows, -1)
-    lengths = torch.full((rows,), length, dtype=torch.int32, device="cuda")
-    q = torch.randn(rows * queries, heads, dim, **bf16)
-    k = torch.randn(rows * queries, kv_heads, dim, **bf16)
-    v = torch.randn(rows * queries, kv_heads, dim, **bf16)
-    cu_q = torch.arange(0, rows * queries + 1, queries, dtype=torch.int32, device="cuda")
-    schedule = block_table_schedule(table, lengths, cu_q, queries=queries, query_heads=heads, key_blocks=key_blocks)
-    scale = dim**-0.5
-    label = f"paged {rows} rows {prompt}+{own}+{queries}"
-
-    def today() -> torch.Tensor:
-        return block_table_attention(q, k, v, key_blocks, value_blocks, table, lengths, cu_q, scale, schedule)
-
-    figures[f"{label}: FA3 prefix + own + merge"] = graph_time_us(today)
-    want = today().float()
-    default_warps, default_keys = module.NUM_WARPS, module.BLOCK_N
-    for warps, keys in ((default_warps, default_keys), (4, 64), (4, 32), (8, 32)):
-        module.NUM_WARPS, module.BLOCK_N = warps, keys  # read at each launch
-        for splits in (0, 2, 4, 8, 12, 16):
-            def run(splits=splits) -> torch.Tensor:
-                return module.split_attention(q, k, v, key_blocks, value_blocks, table, lengths, scale, splits)
-
-            name = f"split {rows} rows, {warps} warps, {keys} keys a tile, splits={splits}"
-            figures[f"{label}: Triton {name}"] = graph_time_us(run)
-            errors[name] = (run().float() - want).abs().max().item()
-    module.NUM_WARPS, module.BLOCK_N = default_warps, default_keys
 
 
 def shared_figures(prompt: int, own: int, rows: int, figures: dict, errors: dict) -> None:
@@ -343,15 +296,14 @@ def timeline(figures: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--skip", default="", help="comma list of: paged,attention,shared,gemm,timeline")
+    parser.add_argument("--skip", default="", help="comma list of: attention,shared,gemm,timeline")
     args = parser.parse_args(argv)
     figures: dict[str, float] = {}
     errors: dict[str, float] = {}
     best: dict[str, dict] = {}
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us": figures,
               "max_abs_err": errors, "triton_best": best}
-    steps = {"paged": lambda: (paged_figures(3100, 40, 1, figures, errors), paged_figures(3100, 40, 16, figures, errors)),
-             "attention": lambda: attention_figures(3100, figures, errors),
+    steps = {"attention": lambda: attention_figures(3100, figures, errors),
              "shared": lambda: shared_figures(3100, 40, 16, figures, errors),
              "gemm": lambda: gemm_figures(figures, best),
              "timeline": lambda: timeline(figures)}

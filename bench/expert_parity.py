@@ -16,9 +16,6 @@ included) for 1 sample and for 16 samples, per-row copies vs vLLM's blocks read 
 
     PYTHONPATH=. python -m bench.expert_parity --out $OUT/expert_parity.json   # on the GPU
     PYTHONPATH=. python -m bench.expert_parity --smoke                         # tiny, on the CPU
-
---paged-kernel split reads vLLM's blocks with core/split_attention.py's Triton kernel instead of
-FA3 (GPU only: on the CPU Triton runs only under its interpreter, see test_split_attention.py).
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import torch
 
 from alpamayo_ros.core.backbone import PagedPrefix, PrefixCache
 from alpamayo_ros.core.expert import ActionExpertModel, ExpertConfig
-from alpamayo_ros.core.expert_attention import PAGED_KERNELS
 from alpamayo_ros.core.flow_matching import ExpertSampler
 from alpamayo_ros.core.fp8_linear import KERNELS
 from bench.expert_loop_bench import FULL, SMOKE, kernel_profile, timed
@@ -113,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--fp8-kernel", default="auto", choices=KERNELS, help="the FP8 expert's kernel")
-    parser.add_argument("--paged-kernel", default="auto", choices=PAGED_KERNELS,
-                        help="the vllm_paged variants' attention (split: core/split_attention.py)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -124,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     reference = ActionExpertModel(config).to(device).eval()
     fast = copy.deepcopy(reference).to(fast_dtype)
-    fast.paged_kernel = args.paged_kernel  # the FP8 copy below too
     fp8 = copy.deepcopy(fast)
     fp8.quantize_fp8(args.fp8_kernel)
     readable = copy.deepcopy(fast)  # the same FP8 values, kept where dequantized() reads them
@@ -133,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     del readable
     on_gpu = device.type == "cuda"
     report: dict = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "prompt": prompt, "own": own,
-                    "fp8_kernel": fp8.fp8_kernel, "paged_kernel": args.paged_kernel}
+                    "fp8_kernel": fp8.fp8_kernel}
     failed = []
     with torch.inference_mode():
         for rows in (1, args.rows):

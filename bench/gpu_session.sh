@@ -12,16 +12,10 @@
 #                (Triton templates benchmarked against cuBLAS per shape on this GPU)
 #   parity-deterministic  the same with TORCHINDUCTOR_DETERMINISTIC=1 and a fresh inductor cache: what
 #                reductions configured without on-device timing cost the expert (the same plan in every run)
-#   parity-split the same with the vllm_paged variants reading vLLM's blocks through core/split_attention.py
-#                (one Triton launch) instead of FA3: its parity and its sampler times beside the parity step's
 #   parity-pdl   the same with TORCHINDUCTOR_ENABLE_PDL=1 and a fresh inductor cache: inductor's Triton kernels
 #                launched as programmatic dependent launches (each may start while the one before finishes,
 #                also inside a CUDA graph), against the ~2.5 us a kernel that a 1-row call pays between kernels
-#   kernels      bench.expert_kernels' paged step: FA3 (two calls and a merge) against the Triton split kernel at
-#                several prefix splits, 1 and 16 rows over vLLM-style blocks (us per call, CUDA graphs)
 #   w16          W16 on vLLM and HF in one run (the HF/vLLM ratio), 30 timed vLLM plans
-#   w16-split    W16 on vLLM alone with the expert reading vLLM's blocks through core/split_attention.py, to hold
-#                against the w16 step's vLLM figures (or the parity-split step's sampler times) on the same machine
 #   w16-pdl      W16 on vLLM alone with TORCHINDUCTOR_ENABLE_PDL=1 and fresh vLLM/inductor caches (backbone and
 #                expert compiled with programmatic dependent launches), to hold against the w16 step's vLLM figures
 #   s16          W16-s16 on vLLM (16 samples over one prompt)
@@ -87,15 +81,10 @@ for name in "$@"; do
     parity-deterministic) step parity-deterministic 200 env TORCHINDUCTOR_DETERMINISTIC=1 \
            TORCHINDUCTOR_CACHE_DIR=/tmp/cache-deterministic/expert python3 -m bench.expert_parity --runs 10 \
            --fp8-kernel auto --out "$OUT/parity_deterministic.json" ;;
-    parity-split) step parity-split 200 python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --paged-kernel split \
-           --out "$OUT/parity_split.json" ;;
     parity-pdl) step parity-pdl 200 env TORCHINDUCTOR_ENABLE_PDL=1 TORCHINDUCTOR_CACHE_DIR=/tmp/cache-pdl/expert \
            python3 -m bench.expert_parity --runs 10 --fp8-kernel auto --out "$OUT/parity_pdl.json" ;;
-    kernels) step kernels 200 python3 -m bench.expert_kernels --skip attention,shared,gemm,timeline --out "$OUT/kernels.json" ;;
     w16) step w16 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm,hf \
            --runs "$RUNS" --compare-runs 20 --json-dir "$OUT" ;;
-    w16-split) step w16-split 330 python3 bench/bench_pipeline.py --workload W16 $(checkpoint) --backends vllm \
-           --expert-paged-kernel split --runs "$RUNS" --json-dir "$OUT/split" ;;
     w16-pdl) step w16-pdl 330 env TORCHINDUCTOR_ENABLE_PDL=1 VLLM_CACHE_ROOT=/tmp/cache-pdl/vllm \
            TORCHINDUCTOR_CACHE_DIR=/tmp/cache-pdl/inductor python3 bench/bench_pipeline.py --workload W16 $(checkpoint) \
            --backends vllm --runs "$RUNS" --json-dir "$OUT/pdl" ;;
@@ -129,6 +118,6 @@ for name in "$@"; do
            --json-dir "$OUT" ;;
     profile-s16) step profile-s16 420 python3 -m bench.prefill_profile --workload W16-s16 --full-size-dir /tmp/ckpt \
            --json-dir "$OUT" ;;
-    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, parity-split, parity-pdl, kernels, w16, w16-split, w16-pdl, s16, s16-cascade, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
+    *) echo "unknown step '$name' (parity, parity-autotune, parity-deterministic, parity-pdl, w16, w16-pdl, s16, s16-cascade, speculation, speculation-host, speculation-trace, speculation-fp8, speculation-deterministic, speculation-invariant, fp8, fp8-marlin, gemm, profile, profile-fp8, profile-s16)"; exit 2 ;;
   esac
 done

@@ -398,8 +398,6 @@ class ActionExpertModel(nn.Module):
             num_enc_layers=config.num_enc_layers,
         )
         self.action_out_proj = nn.Linear(config.hidden_size, ACTION_DIM)
-        #: the kernel of paged states (new_paged_state): expert_attention.PAGED_KERNELS
-        self.paged_kernel = "auto"
         count = sum(p.numel() for p in self.parameters())
         logger.info(f"action expert: {count / 1e6:.2f} M parameters, {config.num_layers} layers")
 
@@ -486,7 +484,7 @@ class ActionExpertModel(nn.Module):
         return BlockTableState.zeros(
             rows=rows, width=width, n_tokens=cfg.n_waypoints, key_blocks=cache.paged.key_blocks[:layers],
             value_blocks=cache.paged.value_blocks[:layers], dtype=self.expert.norm.weight.dtype,
-            query_heads=cfg.num_heads, kernel=self.paged_kernel,
+            query_heads=cfg.num_heads,
         )
 
     def load_state(self, state: ExpertState | BlockTableState, caches: Sequence[PrefixCache]) -> None:

@@ -16,8 +16,7 @@ the action tokens' K/V where it keeps the prefix and attends:
   lies, never written): the prefix through the engine's own block table, the action tokens'
   K/V as they come. With FA3, two calls (the paged prefix, then the action tokens) joined
   through their log-sum-exps, as vLLM's cascade attention joins its two parts; elsewhere each
-  row's prefix blocks are gathered, the action K/V appended, and attended exactly. Its
-  "split" kernel does both parts and the join in one Triton launch (split_attention.py).
+  row's prefix blocks are gathered, the action K/V appended, and attended exactly.
 """
 
 from __future__ import annotations
@@ -330,11 +329,6 @@ def block_table_schedule(
     )
 
 
-#: BlockTableKV's kernels: "auto" is block_table_attention (FA3 where it runs, else exact
-#: torch); "split" is split_attention.py's one Triton launch (CUDA, or Triton's interpreter).
-PAGED_KERNELS = ("auto", "split")
-
-
 @dataclass
 class BlockTableKV:
     """One layer of a BlockTableState (expert_state.py) as seen by ExpertAttention."""
@@ -345,18 +339,14 @@ class BlockTableKV:
     lengths: torch.Tensor
     cu_seqlens_q: torch.Tensor
     schedule: torch.Tensor | None = None
-    kernel: str = "auto"
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, L, H, D), k/v (N, L, Hkv, D) of the action tokens -> (N, L, H, D)."""
         rows, length, heads, head_dim = q.shape
         kv_heads = k.shape[2]
-        args = (
+        out = block_table_attention(
             q.reshape(rows * length, heads, head_dim), k.reshape(-1, kv_heads, head_dim),
-            v.reshape(-1, kv_heads, head_dim), self.key_blocks, self.value_blocks, self.block_table, self.lengths,
+            v.reshape(-1, kv_heads, head_dim), self.key_blocks, self.value_blocks, self.block_table,
+            self.lengths, self.cu_seqlens_q, head_dim**-0.5, self.schedule,
         )
-        if self.kernel == "split":  # registered when the state was made (BlockTableState.zeros)
-            out = torch.ops.alpamayo.split_attention(*args, head_dim**-0.5, 0)
-        else:
-            out = block_table_attention(*args, self.cu_seqlens_q, head_dim**-0.5, self.schedule)
         return out.view(rows, length, heads, head_dim)

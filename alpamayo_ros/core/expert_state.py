@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alpamayo_ros.core.expert_attention import (
-    PAGE, PAGED_KERNELS, BlockTableKV, PagedKV, block_table_schedule, fa3_varlen,
-)
+from alpamayo_ros.core.expert_attention import PAGE, BlockTableKV, PagedKV, block_table_schedule, fa3_varlen
 
 
 @dataclass
@@ -171,8 +169,7 @@ class BlockTableState:
     block_table: (N, W) int32, each row's blocks in order; lengths: (N,) int32, the prefix keys
     each row attends (its kept columns, a leading run); cu_seqlens_q: (N+1,) int32, L queries
     per row (the action tokens); cos/sin: (N, L, 1, D) their RoPE; query_heads: the expert's;
-    schedule: FA3's schedule of the loaded rows (schedule_attention), None without FA3;
-    kernel: expert_attention.PAGED_KERNELS.
+    schedule: FA3's schedule of the loaded rows (schedule_attention), None without FA3.
     """
 
     key_blocks: list[torch.Tensor]
@@ -184,7 +181,6 @@ class BlockTableState:
     sin: torch.Tensor
     query_heads: int
     schedule: torch.Tensor | None = None
-    kernel: str = "auto"
 
     @classmethod
     def zeros(
@@ -197,17 +193,12 @@ class BlockTableState:
         value_blocks: Sequence[torch.Tensor],
         dtype: torch.dtype,
         query_heads: int,
-        kernel: str = "auto",
     ) -> BlockTableState:
         """A state of `rows` rows of up to `width` blocks each over these layers' blocks."""
         if rows < 1 or width < 1:
             raise ValueError(f"rows/width: must be >= 1, got {rows}/{width}")
-        if kernel not in PAGED_KERNELS:
-            raise ValueError(f"kernel: one of {PAGED_KERNELS}, got {kernel!r}")
         device = key_blocks[0].device
-        if kernel == "split":
-            import alpamayo_ros.core.split_attention  # noqa: F401  registers its op, outside any compiled region
-        elif device.type == "cuda":
+        if device.type == "cuda":
             fa3_varlen()  # looked up (and logged) once, outside any compiled region
         ints = {"device": device, "dtype": torch.int32}
         head_dim = key_blocks[0].shape[-1]
@@ -220,7 +211,6 @@ class BlockTableState:
             cos=torch.zeros(rows, n_tokens, 1, head_dim, device=device, dtype=dtype),
             sin=torch.zeros(rows, n_tokens, 1, head_dim, device=device, dtype=dtype),
             query_heads=query_heads,
-            kernel=kernel,
         )
 
     @property
@@ -240,14 +230,12 @@ class BlockTableState:
 
     def layers(self) -> list[BlockTableKV]:
         """Per expert layer, the K/V source ExpertAttention attends through."""
-        meta = (self.block_table, self.lengths, self.cu_seqlens_q, self.schedule, self.kernel)
+        meta = (self.block_table, self.lengths, self.cu_seqlens_q, self.schedule)
         return [BlockTableKV(k, v, *meta) for k, v in zip(self.key_blocks, self.value_blocks)]
 
     def schedule_attention(self) -> None:
         """Make FA3's schedule of the rows as loaded now, once for every layer and flow step; after
         every load of all rows. Written into the same tensor each time (a captured graph reads it)."""
-        if self.kernel == "split":
-            return
         queries = self.cos.shape[1]
         fresh = block_table_schedule(self.block_table, self.lengths, self.cu_seqlens_q, queries=queries,
                                      query_heads=self.query_heads, key_blocks=self.key_blocks[0])
