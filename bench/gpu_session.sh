@@ -4,7 +4,7 @@
 # prints its report; a failed or timed-out step does not stop the next. Run from the unpacked
 # snapshot (see bench/README.md, "On the lent H200"), e.g. in three calls of under 600 s:
 #   bash bench/gpu_session.sh parity w16            # ~9 min on a fresh machine
-#   bash bench/gpu_session.sh s16-cascade           # ~6 min (W16-s16 and W16-s16-cascade)
+#   bash bench/gpu_session.sh s16 fp8               # ~6 min (W16-s16, W16-fp8)
 #   bash bench/gpu_session.sh speculation fp8       # ~9 min
 # Steps:
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
