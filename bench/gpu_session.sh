@@ -5,7 +5,7 @@
 # snapshot (see bench/README.md, "On the lent H200"), e.g. in three calls of under 600 s:
 #   bash bench/gpu_session.sh parity w16            # ~9 min on a fresh machine
 #   bash bench/gpu_session.sh s16 fp8               # ~6 min (W16-s16, W16-fp8)
-#   bash bench/gpu_session.sh speculation fp8       # ~9 min
+#   bash bench/gpu_session.sh speculation           # ~6 min
 # Steps:
 #   parity       the expert's fast paths against fp32 (fp8 auto: cutlass <= 256 rows), exit 1 on a mismatch
 #   parity-autotune  the same with inductor's max-autotune for the GEMMs of the compiled layer step
