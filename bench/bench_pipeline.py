@@ -501,6 +501,8 @@ def bench_speculation(name: str, args: argparse.Namespace, checkpoint: Path, dty
 
     # greedy too: a plan that does not repeat greedily is not deterministic, whatever the drafts
     results["greedy_repeat_without_speculation"] = planned_twice(pipeline, lambda: None, settings)
+    # the same, each plan computing its whole prompt: tells a prefix-cache hit's rounding apart
+    results["greedy_repeat_cold"] = planned_twice(pipeline, pipeline.backbone.reset_prefix_cache, settings)
     results["seeded_repeat_without_speculation"] = planned_twice(pipeline, lambda: None)
     pipeline.close()
     del pipeline
@@ -585,7 +587,7 @@ def print_speculation_report(results: dict) -> None:
             f"{entry['max_xyz_diff_m']:.2e} |"
         )
     repeat, plain = results["seeded_repeat"], results["seeded_repeat_without_speculation"]
-    greedy = results["greedy_repeat_without_speculation"]
+    greedy, cold = results["greedy_repeat_without_speculation"], results["greedy_repeat_cold"]
     lines.append("")
     fit = results["decode_step_fit"]
     if fit is not None:
@@ -605,7 +607,8 @@ def print_speculation_report(results: dict) -> None:
         f"(first differing token per row {repeat['first_difference']}), drafted {repeat['drafted']}, "
         f"accepted {repeat['accepted']}; without speculation: ids equal {plain['ids_equal']} "
         f"(first differing token per row {plain['first_difference']}); greedy twice without speculation: "
-        f"ids equal {greedy['ids_equal']}, max dxyz {greedy['max_xyz_diff_m']:.2e} m"
+        f"ids equal {greedy['ids_equal']}, max dxyz {greedy['max_xyz_diff_m']:.2e} m; the same with the prefix cache "
+        f"reset before each plan: ids equal {cold['ids_equal']}, max dxyz {cold['max_xyz_diff_m']:.2e} m"
     )
     print("\n".join(lines))
     sys.stdout.flush()

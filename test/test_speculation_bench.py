@@ -55,5 +55,8 @@ def test_speculation_regimes_draft_what_they_say(tmp_path: Path) -> None:
     greedy = report["greedy_repeat_without_speculation"]
     assert greedy["ids_equal"] and greedy["first_difference"] is None and greedy["drafted"] == [0, 0]
     assert greedy["max_xyz_diff_m"] == 0.0  # one engine, one window, greedy: the same plan to the bit
+    cold = report["greedy_repeat_cold"]  # the same, each plan computing its whole prompt
+    assert cold["ids_equal"] and cold["max_xyz_diff_m"] == 0.0 and cold["drafted"] == [0, 0]
+    assert "the same with the prefix cache reset before each plan: ids equal True" in result.stdout
     assert (tmp_path / "profile" / "smoke-speculation-half.txt").is_file()  # one traced plan per regime
     assert (tmp_path / "profile" / "smoke-speculation-none.trace.json.gz").stat().st_size > 0

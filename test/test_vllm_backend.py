@@ -557,6 +557,32 @@ def test_every_plan_hands_its_blocks_back_even_when_it_fails(vllm_pipeline, make
     assert backbone.free_kv_blocks() == start
 
 
+def test_a_prefix_cache_reset_makes_the_next_plan_compute_its_whole_prompt(vllm_pipeline, make_driving_input):
+    """A plan leaves its prompt's full blocks reusable; after a reset none is, and the plan computed
+    cold again is the same plan to the bit. A reset while a rollout holds blocks is refused."""
+    backbone = vllm_pipeline.backbone
+    inputs = make_driving_input(camera_indices=(0, 1), frames=2, route_text="Turn right in 30m", seed=7)
+    settings = SamplingSettings(num_samples=1, temperature=0.0, max_reasoning_tokens=8, flow_steps=2)
+    backbone.reset_prefix_cache()
+    assert backbone.cached_kv_blocks() == 0
+    cold = vllm_pipeline.plan(inputs, settings)
+    assert backbone.cached_kv_blocks() > 0
+    backbone.reset_prefix_cache()
+    assert backbone.cached_kv_blocks() == 0
+    again = vllm_pipeline.plan(inputs, settings)
+    assert again.generated_ids == cold.generated_ids
+    assert (again.xyz == cold.xyz).all()
+    _, prompt = _prompt(vllm_pipeline, make_driving_input, (0, 1), 2, None)
+    held = backbone.rollout(prompt, num_samples=1, temperature=0.0, top_p=1.0, max_new_tokens=4, generator=torch.Generator())
+    try:
+        with pytest.raises(RuntimeError, match="still holds blocks"):
+            backbone.reset_prefix_cache()
+    finally:
+        held.cache.release()
+    backbone.reset_prefix_cache()
+    assert backbone.cached_kv_blocks() == 0
+
+
 def test_samples_of_one_prompt_reuse_its_block_hashes() -> None:
     """The engine's block hasher hashes a prompt once for all its samples (copies of one
     processed request), and gives them exactly the hashes vLLM computes; other prompts and

@@ -222,6 +222,15 @@ class VLLMBackbone:
         tests see that every plan hands its blocks back."""
         return self._adapter.free_block_count(self._llm)
 
+    def cached_kv_blocks(self) -> int:
+        """Blocks of vLLM's K/V cache that a later prompt could reuse (prefix caching)."""
+        return self._adapter.cached_block_count(self._llm)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget reusable prompt blocks, so the next plan computes its whole prompt: a plan then
+        repeats the computation of a cold engine (the benchmarks' repeat check uses this)."""
+        self._adapter.reset_prefix_cache(self._llm)
+
     # -- Backbone protocol ------------------------------------------------------------
 
     def rollout(

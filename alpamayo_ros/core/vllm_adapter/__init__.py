@@ -24,7 +24,10 @@ string.
 """
 
 from .capture import HeldKV, close_sink, open_sink
-from .engine import create_engine, free_block_count, release_requests, run_requests, sampling_params, shutdown_engine
+from .engine import (
+    cached_block_count, create_engine, free_block_count, release_requests, reset_prefix_cache, run_requests,
+    sampling_params, shutdown_engine,
+)
 from .mask import MaskSpec
 from .model import frame_inputs
 from .model_dir import materialize_model_dir
@@ -35,6 +38,7 @@ __all__ = [
     "MaskSpec",
     "PROMPT_TAIL",
     "PlanHistory",
+    "cached_block_count",
     "close_history",
     "close_sink",
     "create_engine",
@@ -44,6 +48,7 @@ __all__ = [
     "open_history",
     "open_sink",
     "release_requests",
+    "reset_prefix_cache",
     "run_requests",
     "sampling_params",
     "shutdown_engine",

@@ -344,9 +344,24 @@ def release_requests(llm: LLM, sink: CaptureSink, request_ids: list[str]) -> Non
     logger.debug("KV capture: released blocks still held after %d engine steps; the next steps free them", RELEASE_STEPS)
 
 
+def _block_pool(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+
+
 def free_block_count(llm: LLM) -> int:
     """Blocks the engine's scheduler could allocate now (in-process engines only)."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    return _block_pool(llm).get_num_free_blocks()
+
+
+def cached_block_count(llm: LLM) -> int:
+    """Blocks that hold a reusable prefix now (full blocks with a hash; in-process engines only)."""
+    return sum(block.block_hash is not None for block in _block_pool(llm).blocks)
+
+
+def reset_prefix_cache(llm: LLM) -> None:
+    """Forget every cached prefix, so the next request computes its whole prompt."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM kept its prefix cache: a request still holds blocks (release plans first)")
 
 
 def _samples_of_one_prompt(
