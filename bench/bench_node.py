@@ -64,6 +64,7 @@ from alpamayo_ros.testing.rig import (
     RosSide,
     SensorRig,
     diag_values,
+    log_excerpt,
     ros_env,
     start_console_script,
     start_python,
@@ -92,7 +93,7 @@ ODOMETRY_TOPIC = "/bench/odom"
 NS_PER_MS = 1_000_000
 JPEG_QUALITY = 90
 STOP_TIMEOUT_S = 60.0  # a node finishes its plan in flight before it exits
-FIRST_FRAME_TIMEOUT_S = 30.0  # publisher started -> the node must have decoded a camera frame
+FIRST_FRAME_TIMEOUT_S = 30.0  # publisher's first tick sent -> the node must have decoded a camera frame
 # Camera mounts for indices the demo's rig lacks: (yaw degrees, horizontal field of view degrees).
 EXTRA_MOUNTS = {3: (150.0, 120.0), 4: (180.0, 30.0), 5: (-150.0, 120.0), 6: (0.0, 30.0)}
 # (report key, table label) in table order; e2e = inbound + total + node overhead + transport/queueing
@@ -296,6 +297,22 @@ def wait_for_ready(node: Any, diagnostics: Collector, timeout_s: float, log_path
         raise RuntimeError(f"drive node not ready after {timeout_s:.0f} s; log:\n{_log_tail(log_path)}")
 
 
+def wait_for_publishing(publisher: Any, stamps_log: Path, timeout_s: float, log_path: Path) -> None:
+    """Block until the publisher has sent its first full camera tick; raise with its log if it cannot.
+
+    Why: the publisher's start (imports, rendering the frames, joining DDS) takes tens of seconds on
+    a loaded CPU, and the node's first-frame clock must start when frames are on the wire.
+    """
+
+    def publishing() -> bool:
+        if publisher.poll() is not None:
+            raise RuntimeError(f"publisher exited with code {publisher.returncode}; log:\n{_log_tail(log_path)}")
+        return stamps_log.exists() and stamps_log.stat().st_size > 0
+
+    if not wait_until(publishing, timeout_s, interval_s=0.1):
+        raise RuntimeError(f"publisher sent no camera tick in {timeout_s:.0f} s; log:\n{_log_tail(log_path)}")
+
+
 class NoFrames(RuntimeError):
     """The node got no camera frame at all: the publisher's DDS match never formed."""
 
@@ -458,23 +475,37 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         wait_for_ready(node, diagnostics, args.ready_timeout_s, out / "node.log")
         logger.info("node ready after %.1f s; starting the publisher", time.monotonic() - started)
         def start_publisher() -> Any:
+            stamps_log.unlink(missing_ok=True)  # a restarted publisher's first tick is what the wait sees
             return start_python(
                 f"import sys; from bench import bench_node; "
                 f"sys.exit(bench_node.run_publisher(bench_node.Path({str(publisher_config)!r})))",
                 env=env, log_path=out / "publisher.log",
             )  # fmt: skip
 
+        def transport_report() -> str:
+            """What the bench's own participant sees of the publisher, for a no-frames failure."""
+            topics = [camera_topic(index, args.transport) for index in args.cameras]
+            seen = {topic: side.node.count_publishers(topic) for topic in topics}
+            running = publisher.poll() is None
+            return (f"publishers the bench sees: {seen}; publisher running: {running}; publisher log:\n"
+                    f"{log_excerpt(out / 'publisher.log', tail_chars=1500)}")  # fmt: skip
+
         publisher = start_publisher()
+        wait_for_publishing(publisher, stamps_log, args.ready_timeout_s, out / "publisher.log")
         wanted = args.warmup + args.plans
         try:
             wait_for_plans(node, paths, timings, diagnostics, wanted, args.plan_timeout_s, out / "node.log")
         except NoFrames as exc:
-            # NOTE: seen twice on this 2-core machine in a full test run (never alone): Fast DDS
-            # delivered nothing from a fresh publisher for minutes. One restart, said out loud.
-            logger.warning("%s\nrestarting the publisher once", exc)
+            # NOTE: seen on this 2-core machine in full test runs (never alone): the node matched no
+            # publisher of a fresh publisher process. One restart, said out loud.
+            logger.warning("%s\n%s\nrestarting the publisher once", exc, transport_report())
             stop_process(publisher, STOP_TIMEOUT_S)
             publisher, publisher_restarts = start_publisher(), 1
-            wait_for_plans(node, paths, timings, diagnostics, wanted, args.plan_timeout_s, out / "node.log")
+            wait_for_publishing(publisher, stamps_log, args.ready_timeout_s, out / "publisher.log")
+            try:
+                wait_for_plans(node, paths, timings, diagnostics, wanted, args.plan_timeout_s, out / "node.log")
+            except NoFrames as again:
+                raise NoFrames(f"{again}\n{transport_report()}") from again
         # the node publishes its diagnostics after the last Path: let them arrive before reading
         deadline = time.monotonic() + 5.0
         while int(_last_diagnostics(diagnostics).get("plans", 0)) < wanted and time.monotonic() < deadline:
