@@ -300,8 +300,8 @@ def wait_for_ready(node: Any, diagnostics: Collector, timeout_s: float, log_path
 def wait_for_publishing(publisher: Any, stamps_log: Path, timeout_s: float, log_path: Path) -> None:
     """Block until the publisher has sent its first full camera tick; raise with its log if it cannot.
 
-    Why: the publisher's start (imports, rendering the frames, joining DDS) takes tens of seconds on
-    a loaded CPU, and the node's first-frame clock must start when frames are on the wire.
+    Why: the publisher's start (imports, rendering the frames, joining DDS) takes as long as the
+    machine's load makes it, so the node's first-frame clock starts once it publishes, not before.
     """
 
     def publishing() -> bool:
