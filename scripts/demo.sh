@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 bash scripts/setup.sh
-export FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA
+export FASTDDS_BUILTIN_TRANSPORTS="DEFAULT?sockets_size=16777216"  # one host: see the README
 export AMENT_PREFIX_PATH="$ROOT/.venv"
 export PYTHONUNBUFFERED=1
 exec "$ROOT/.venv/bin/alpamayo-demo" --out "$ROOT/out/demo" "$@"

@@ -5,7 +5,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 bash scripts/setup.sh
-export FASTDDS_BUILTIN_TRANSPORTS=LARGE_DATA   # large best-effort images are dropped otherwise
+# UDP discovery, shared-memory data with room for big frames; why not LARGE_DATA: alpamayo_ros/testing/rig.py
+export FASTDDS_BUILTIN_TRANSPORTS="DEFAULT?sockets_size=16777216"
 export AMENT_PREFIX_PATH="$ROOT/.venv"          # get_package_share_directory() without sourcing
 export PYTHONUNBUFFERED=1
 # Two workers, a test file each at a time (see test/conftest.py); `-n 0` runs in this process.
