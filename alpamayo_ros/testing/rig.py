@@ -153,8 +153,8 @@ class Collector:
 class RosSide:
     """The test process's own ROS participant: a context, a node and a spinning executor."""
 
-    def __init__(self, domain_id: int, name: str = "test_side") -> None:
-        os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = TRANSPORTS  # read when the participant is created
+    def __init__(self, domain_id: int, name: str = "test_side", transports: str = TRANSPORTS) -> None:
+        os.environ["FASTDDS_BUILTIN_TRANSPORTS"] = transports  # read when the participant is created
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id)
         self.node = Node(name, context=self.context)
@@ -356,18 +356,24 @@ class SensorRig:
         with self._camera_lock:
             self._camera_pubs[index] = self._camera_publisher(camera)
 
+    def matched(self) -> dict[str, int]:
+        """Per published sensor topic (plugged cameras, odometry): subscriptions matched."""
+        with self._camera_lock:
+            pubs = {c.topic: self._camera_pubs[c.index] for c in self.cameras if c.index in self._camera_pubs}
+        pubs[self._odometry_topic] = self._odometry_pub
+        return {topic: pub.get_subscription_count() for topic, pub in pubs.items()}
+
     def status(self) -> dict[str, str]:
         """Per published topic: subscriptions matched, messages sent and the age of the last one;
         what a test reports when the node hears nothing (a blocked publish shows as a growing age)."""
         now = time.monotonic()
+        matched = self.matched()
         with self._camera_lock:
-            pubs = {c.topic: self._camera_pubs[c.index] for c in self.cameras if c.index in self._camera_pubs}
-            pubs[self._odometry_topic] = self._odometry_pub
             sent = dict(self._sent)
         report = {}
-        for topic, pub in pubs.items():
+        for topic, count_matched in matched.items():
             count, last = sent.get(topic, (0, math.nan))
-            report[topic] = f"{pub.get_subscription_count()} matched, {count} sent, last {now - last:.1f} s ago"
+            report[topic] = f"{count_matched} matched, {count} sent, last {now - last:.1f} s ago"
         return report
 
     def _count_sent(self, topic: str) -> None:
