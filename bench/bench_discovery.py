@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,15 +70,16 @@ def trial(domain_id: int, transports: str, checkpoint: Path, work: Path, timeout
 
 
 def summary(times: list[float | None]) -> dict[str, float | int | None]:
-    matched = sorted(t for t in times if t is not None)
-    if not matched:
-        return {"trials": len(times), "unmatched": len(times), "p50_s": None, "p90_s": None, "max_s": None}
+    from bench.bench_pipeline import percentiles  # the pipeline bench's percentiles (imports torch)
+
+    matched = [t for t in times if t is not None]
+    spread = percentiles(matched) if matched else {"p50": None, "p90": None}
     return {
         "trials": len(times),
         "unmatched": len(times) - len(matched),
-        "p50_s": statistics.median(matched),
-        "p90_s": matched[min(len(matched) - 1, round(0.9 * (len(matched) - 1)))],
-        "max_s": matched[-1],
+        "p50_s": spread["p50"],
+        "p90_s": spread["p90"],
+        "max_s": max(matched, default=None),
     }
 
 

@@ -79,7 +79,7 @@ def ros_env(domain_id: int, **extra: str) -> dict[str, str]:
         RCUTILS_LOGGING_BUFFERED_STREAM="0",
         RCUTILS_COLORIZED_OUTPUT="0",
     )
-    env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # discovery as TRANSPORTS sets it, on every machine
+    env.pop("ROS_AUTOMATIC_DISCOVERY_RANGE", None)  # the same discovery on every machine, whatever the shell sets
     env.update(extra)
     return env
 
